@@ -1,0 +1,42 @@
+"""Layer-id conventions, as data. Every format module declares the one it stores.
+
+after_layers (canonical): id L = residual stream after L decoder layers (HF hidden_states[L]);
+    vLLM, speculators, SafeAILab EAGLE, llama.cpp.
+layer_output: id i = output of decoder layer i (0-based) = after_layers id i + 1;
+    SGLang/SpecForge, z-lab DFlash, DeepSpec. It cannot name the embedding output (canonical 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from woodcock.errors import DrafterError
+from woodcock.ir import CANONICAL_LAYER_CONVENTION
+
+# canonical id = stored id + offset
+OFFSETS = {CANONICAL_LAYER_CONVENTION: 0, "layer_output": 1}
+
+
+def _offset(convention: str) -> int:
+    try:
+        return OFFSETS[convention]
+    except KeyError:
+        raise DrafterError(
+            f"unknown layer-id convention {convention!r}; expected one of {', '.join(OFFSETS)}"
+        ) from None
+
+
+def to_canonical(ids: Sequence[int], convention: str) -> tuple[int, ...]:
+    offset = _offset(convention)
+    return tuple(i + offset for i in ids)
+
+
+def from_canonical(ids: Sequence[int], convention: str) -> tuple[int, ...]:
+    offset = _offset(convention)
+    stored = tuple(i - offset for i in ids)
+    if any(i < 0 for i in stored):
+        raise DrafterError(
+            f"taps {list(ids)}: the {convention} convention cannot name canonical id 0"
+            " (the embedding output)"
+        )
+    return stored

@@ -1,0 +1,221 @@
+"""The Woodcock native format: the IR on disk, nothing lost, every file checksummed.
+
+    config.json         the DrafterSpec (every field, tap ids in the canonical convention)
+    model.safetensors   the weights by canonical name, plus `draft_to_target` (int64 [Vd],
+                        absolute target ids) when the draft vocabulary is reduced
+    vocab_counts.npz    optional: `counts` (int64 [target vocab])
+    vocab_counts.json   optional: what the counts were measured on (hold-out coverage, ...)
+    woodcock.json       the manifest: target, taps, the tensor table (name, shape, dtype) and
+                        the sha256 and size of every other file; written last
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from woodcock import __version__
+from woodcock.errors import DrafterError
+from woodcock.ir import (
+    CANONICAL_LAYER_CONVENTION,
+    Drafter,
+    VocabCounts,
+    VocabMap,
+    Weights,
+    error_prefix,
+    spec_from_dict,
+    spec_to_dict,
+    to_dict,
+)
+from woodcock.jsonfile import read_json_object, write_json
+from woodcock.staging import staged_directory
+from woodcock.tensorfile import dtype_name, file_sha256, read_header, read_safetensors, write_safetensors
+
+NAME = "woodcock"
+LAYER_CONVENTION = CANONICAL_LAYER_CONVENTION
+SIGNATURE = "woodcock.json"
+
+FORMAT_VERSION = 1
+MANIFEST = "woodcock.json"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+COUNTS = "vocab_counts.npz"
+COUNTS_INFO = "vocab_counts.json"
+VOCAB_TENSOR = "draft_to_target"
+MANIFEST_KEYS = (
+    "format",
+    "format_version",
+    "woodcock_version",
+    "algorithm",
+    "target",
+    "taps",
+    "draft_vocab_size",
+    "tensors",
+    "files",
+)
+
+
+def matches(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
+    spec = drafter.spec
+    tensors = dict(drafter.weights)
+    if drafter.vocab.draft_to_target is not None:
+        tensors[VOCAB_TENSOR] = drafter.vocab.draft_to_target
+    with staged_directory(path, force=force) as out:
+        files = {WEIGHTS: write_safetensors(out / WEIGHTS, tensors, {"format": "pt"})}
+        write_json(out / CONFIG, {"format_version": FORMAT_VERSION, **spec_to_dict(spec)})
+        files[CONFIG] = file_sha256(out / CONFIG)
+        counts = drafter.vocab.counts
+        if counts is not None:
+            np.savez(out / COUNTS, counts=counts.counts)
+            write_json(out / COUNTS_INFO, counts.info)
+            files[COUNTS] = file_sha256(out / COUNTS)
+            files[COUNTS_INFO] = file_sha256(out / COUNTS_INFO)
+        manifest = {
+            "format": NAME,
+            "format_version": FORMAT_VERSION,
+            "woodcock_version": __version__,
+            "algorithm": spec.algorithm.name,
+            "target": to_dict(spec.target),
+            "taps": to_dict(spec.taps),
+            "draft_vocab_size": spec.draft_vocab_size,
+            "tensors": [
+                {"name": name, "shape": list(tensors[name].shape), "dtype": dtype_name(tensors[name])}
+                for name in sorted(tensors)
+            ],
+            "files": {
+                name: {"sha256": digest, "bytes": (out / name).stat().st_size}
+                for name, digest in sorted(files.items())
+            },
+        }
+        write_json(out / MANIFEST, manifest)
+
+
+def read(path: Path, *, verify: bool = True) -> Drafter:
+    """Load a native drafter; weights stay memory-mapped. `verify` checks every sha256."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    if verify:
+        _verify_files(path, manifest["files"])
+    config = read_json_object(path / CONFIG)
+    with error_prefix(f"{path / CONFIG}: "):
+        version = config.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise DrafterError(f"format_version = {version!r}: expected {FORMAT_VERSION}")
+        spec = spec_from_dict(config)
+    for key, value in (
+        ("algorithm", spec.algorithm.name),
+        ("target", to_dict(spec.target)),
+        ("taps", to_dict(spec.taps)),
+        ("draft_vocab_size", spec.draft_vocab_size),
+    ):
+        if manifest[key] != value:
+            raise DrafterError(
+                f"{path / MANIFEST}: {key} = {manifest[key]!r} disagrees with {CONFIG} ({value!r})"
+            )
+    _check_tensor_table(path, manifest["tensors"])
+    tensors, _ = read_safetensors(path / WEIGHTS)
+    draft_to_target = tensors.pop(VOCAB_TENSOR, None)
+    counts = _read_counts(path) if COUNTS in manifest["files"] else None
+    with error_prefix(f"{path}: "):
+        return Drafter(spec, VocabMap(draft_to_target, counts), Weights(tensors))
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / MANIFEST
+    manifest = read_json_object(manifest_path)
+    unknown = sorted(set(manifest) - set(MANIFEST_KEYS))
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if unknown or missing:
+        raise DrafterError(
+            f"{manifest_path}: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing key(s) {', '.join(missing)}" if missing else "",
+                    f"unknown key(s) {', '.join(unknown)}" if unknown else "",
+                )
+                if part
+            )
+        )
+    if manifest["format"] != NAME or manifest["format_version"] != FORMAT_VERSION:
+        raise DrafterError(
+            f"{manifest_path}: format {manifest['format']!r} version {manifest['format_version']!r};"
+            f" expected {NAME!r} version {FORMAT_VERSION}"
+        )
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("sha256"), str) and isinstance(v.get("bytes"), int)
+        for v in files.values()
+    ):
+        raise DrafterError(f"{manifest_path}: files must map file names to {{sha256, bytes}}")
+    for required in (CONFIG, WEIGHTS):
+        if required not in files:
+            raise DrafterError(f"{manifest_path}: files has no entry for {required}")
+    if (COUNTS in files) != (COUNTS_INFO in files):
+        raise DrafterError(f"{manifest_path}: files must list both {COUNTS} and {COUNTS_INFO}, or neither")
+    unlisted = sorted(set(files) - {CONFIG, WEIGHTS, COUNTS, COUNTS_INFO})
+    if unlisted:
+        raise DrafterError(f"{manifest_path}: files lists unknown file(s) {', '.join(unlisted)}")
+    if not isinstance(manifest["tensors"], list):
+        raise DrafterError(f"{manifest_path}: tensors must be a list")
+    return manifest
+
+
+def _verify_files(path: Path, files: dict[str, dict]) -> None:
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            raise DrafterError(f"{file}: missing file (listed in {MANIFEST})")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise DrafterError(
+                f"{file}: {size} bytes, the manifest says {entry['bytes']} (damaged or replaced)"
+            )
+        digest = file_sha256(file)
+        if digest != entry["sha256"]:
+            raise DrafterError(
+                f"{file}: sha256 {digest[:16]}... does not match the manifest's"
+                f" {entry['sha256'][:16]}... (damaged or replaced)"
+            )
+
+
+def _check_tensor_table(path: Path, table: list) -> None:
+    _, header = read_header(path / WEIGHTS)
+    header.pop("__metadata__", None)
+    stored = {name: (entry["shape"], entry["dtype"]) for name, entry in header.items()}
+    try:
+        listed = {row["name"]: (row["shape"], row["dtype"]) for row in table}
+    except (TypeError, KeyError):
+        raise DrafterError(f"{path / MANIFEST}: tensors rows need name, shape and dtype") from None
+    if listed != stored:
+        differing = sorted(n for n in set(listed) | set(stored) if listed.get(n) != stored.get(n))
+        name = differing[0]
+        raise DrafterError(
+            f"{path / WEIGHTS}: tensor {name!r} is {_describe(stored.get(name))} but {MANIFEST}"
+            f" lists {_describe(listed.get(name))}"
+        )
+
+
+def _describe(entry: tuple | None) -> str:
+    return "absent" if entry is None else f"{entry[1]} {entry[0]}"
+
+
+def _read_counts(path: Path) -> VocabCounts:
+    file = path / COUNTS
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            if "counts" not in archive.files:
+                raise DrafterError(f"{file}: no array named 'counts' (found {archive.files})")
+            counts = archive["counts"]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DrafterError(f"{file}: not a readable .npz archive ({e})") from None
+    info = read_json_object(path / COUNTS_INFO)
+    with error_prefix(f"{file}: "):
+        return VocabCounts(counts, info)
