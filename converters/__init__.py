@@ -4,4 +4,6 @@ Installed as `woodcock.converters`; importing it under any other name is refused
 """
 
 if __name__ != "woodcock.converters":
-    raise ImportError(f"import woodcock.converters, not {__name__} (this folder belongs to woodcock)")
+    raise ImportError(
+        f"import woodcock.converters, not {__name__} (this folder belongs to woodcock)"
+    )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from woodcock.errors import DrafterError
 from woodcock.formats import woodcock as native
+
+from woodcock.errors import DrafterError
 
 FORMATS: tuple[ModuleType, ...] = (native,)
 

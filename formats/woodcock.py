@@ -1,12 +1,12 @@
 """The Woodcock native format: the IR on disk, nothing lost, every file checksummed.
 
-    config.json         the DrafterSpec (every field, tap ids in the canonical convention)
-    model.safetensors   the weights by canonical name, plus `draft_to_target` (int64 [Vd],
-                        absolute target ids) when the draft vocabulary is reduced
-    vocab_counts.npz    optional: `counts` (int64 [target vocab])
-    vocab_counts.json   optional: what the counts were measured on (hold-out coverage, ...)
-    woodcock.json       the manifest: target, taps, the tensor table (name, shape, dtype) and
-                        the sha256 and size of every other file; written last
+config.json         the DrafterSpec (every field, tap ids in the canonical convention)
+model.safetensors   the weights by canonical name, plus `draft_to_target` (int64 [Vd],
+                    absolute target ids) when the draft vocabulary is reduced
+vocab_counts.npz    optional: `counts` (int64 [target vocab])
+vocab_counts.json   optional: what the counts were measured on (hold-out coverage, ...)
+woodcock.json       the manifest: target, taps, the tensor table (name, shape, dtype) and
+                    the sha256 and size of every other file; written last
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from woodcock.ir import (
 )
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.staging import staged_directory
-from woodcock.tensorfile import dtype_name, file_sha256, read_header, read_safetensors, write_safetensors
+from woodcock.tensorfile import (
+    dtype_name,
+    file_sha256,
+    read_header,
+    read_safetensors,
+    write_safetensors,
+)
 
 NAME = "woodcock"
 LAYER_CONVENTION = CANONICAL_LAYER_CONVENTION
@@ -86,7 +92,11 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
             "taps": to_dict(spec.taps),
             "draft_vocab_size": spec.draft_vocab_size,
             "tensors": [
-                {"name": name, "shape": list(tensors[name].shape), "dtype": dtype_name(tensors[name])}
+                {
+                    "name": name,
+                    "shape": list(tensors[name].shape),
+                    "dtype": dtype_name(tensors[name]),
+                }
                 for name in sorted(tensors)
             ],
             "files": {
@@ -146,8 +156,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         )
     if manifest["format"] != NAME or manifest["format_version"] != FORMAT_VERSION:
         raise DrafterError(
-            f"{manifest_path}: format {manifest['format']!r} version {manifest['format_version']!r};"
-            f" expected {NAME!r} version {FORMAT_VERSION}"
+            f"{manifest_path}: format {manifest['format']!r} version"
+            f" {manifest['format_version']!r}; expected {NAME!r} version {FORMAT_VERSION}"
         )
     files = manifest["files"]
     if not isinstance(files, dict) or not all(
@@ -159,7 +169,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         if required not in files:
             raise DrafterError(f"{manifest_path}: files has no entry for {required}")
     if (COUNTS in files) != (COUNTS_INFO in files):
-        raise DrafterError(f"{manifest_path}: files must list both {COUNTS} and {COUNTS_INFO}, or neither")
+        raise DrafterError(
+            f"{manifest_path}: files must list both {COUNTS} and {COUNTS_INFO}, or neither"
+        )
     unlisted = sorted(set(files) - {CONFIG, WEIGHTS, COUNTS, COUNTS_INFO})
     if unlisted:
         raise DrafterError(f"{manifest_path}: files lists unknown file(s) {', '.join(unlisted)}")

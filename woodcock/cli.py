@@ -1,4 +1,4 @@
-"""The `woodcock` command. Errors are one line on stderr and exit code 2; --debug shows tracebacks."""
+"""The `woodcock` command. Errors: one line on stderr and exit code 2; --debug shows tracebacks."""
 
 from __future__ import annotations
 
@@ -31,9 +31,13 @@ def _print_version(value: bool) -> None:
 def _options(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
     ] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show Python tracebacks on errors.")
+    ] = False,
 ) -> None:
     global _debug
     _debug = debug

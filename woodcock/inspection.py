@@ -24,7 +24,10 @@ def drafter_warnings(drafter: Drafter) -> list[str]:
             " needs a counts file"
         )
     for i, layer in enumerate(spec.layers):
-        if layer.sliding_window is not None and layer.sliding_window < layer.max_position_embeddings:
+        if (
+            layer.sliding_window is not None
+            and layer.sliding_window < layer.max_position_embeddings
+        ):
             warnings.append(
                 f"layers[{i}] attends only the last {layer.sliding_window} positions (sliding"
                 " window); runtimes that ignore layer types will disagree on long contexts"
@@ -55,7 +58,10 @@ def describe(source: str) -> dict[str, Any]:
         "target": to_dict(spec.target),
         "taps": {
             "canonical": {"convention": spec.taps.convention, "layer_ids": list(ids)},
-            "stored": {"convention": fmt.LAYER_CONVENTION, "layer_ids": list(from_canonical(ids, fmt.LAYER_CONVENTION))},
+            "stored": {
+                "convention": fmt.LAYER_CONVENTION,
+                "layer_ids": list(from_canonical(ids, fmt.LAYER_CONVENTION)),
+            },
         },
         "fusion": to_dict(spec.fusion),
         "layers": [to_dict(layer) for layer in spec.layers],
@@ -76,7 +82,11 @@ def render_text(report: dict[str, Any]) -> str:
     head = report["head"]
     vocab = report["vocab"]
     params = report["parameters"]
-    tap_norm = {"none": "no tap norm", "per_tap": "per-tap RMSNorm", "concat": "RMSNorm over the concat"}
+    tap_norm = {
+        "none": "no tap norm",
+        "per_tap": "per-tap RMSNorm",
+        "concat": "RMSNorm over the concat",
+    }
     rows = [
         ("path", report["path"]),
         ("format", report["format"]),
@@ -136,9 +146,9 @@ def _layer_rows(layers: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 f"layer {i}",
                 f"{layer['style']}, input {layer['input']}, {layer['attention']}{window};"
                 f" hidden {layer['hidden_size']}, heads {layer['num_attention_heads']}/"
-                f"{layer['num_key_value_heads']} x {layer['head_dim']}, mlp {layer['intermediate_size']},"
+                f"{layer['num_key_value_heads']} x {layer['head_dim']},"
+                f" mlp {layer['intermediate_size']},"
                 f" {rope}, eps {layer['rms_norm_eps']:g}",
             )
         )
     return rows
-

@@ -34,7 +34,7 @@ import functools
 import math
 import typing
 from collections.abc import Iterator, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, ClassVar, Literal
 
@@ -43,7 +43,7 @@ import numpy as np
 from woodcock.errors import DrafterError
 from woodcock.tensorfile import FLOAT_DTYPES, dtype_name
 
-# Inside Woodcock a layer id always means this; formats that count otherwise convert at the boundary.
+# Inside Woodcock a layer id always means this; formats that count otherwise convert on read/write.
 CANONICAL_LAYER_CONVENTION = "after_layers"
 
 ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
@@ -94,7 +94,11 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             _fail(name, value, "an integer")
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             _fail(name, value, "a finite number")
         return float(value)
     if hint is str:
@@ -465,7 +469,11 @@ class DrafterSpec(Validated):
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the drafter carries, by canonical name, with its exact shape."""
         h, ht = self.hidden_size, self.target.hidden_size
-        vocab, draft_vocab, taps = self.target.vocab_size, self.draft_vocab_size, len(self.taps.layer_ids)
+        vocab, draft_vocab, taps = (
+            self.target.vocab_size,
+            self.draft_vocab_size,
+            len(self.taps.layer_ids),
+        )
         shapes: dict[str, tuple[int, ...]] = {}
         if self.fusion.tap_norm == "per_tap":
             shapes.update({f"fc_norm.{j}.weight": (ht,) for j in range(taps)})
@@ -609,7 +617,8 @@ class VocabMap:
                 _fail(
                     f"vocab.draft_to_target[{i}]",
                     int(ids[i]),
-                    f"strictly ascending, unique target ids ({what} {int(ids[i - 1])} at [{i - 1}])",
+                    f"strictly ascending, unique target ids"
+                    f" ({what} {int(ids[i - 1])} at [{i - 1}])",
                 )
         if self.counts is not None and self.counts.counts.shape != (vocab,):
             _fail("vocab.counts.shape", self.counts.counts.shape, f"({vocab},): one per target id")

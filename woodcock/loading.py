@@ -32,7 +32,9 @@ def resolve_source(source: str | Path) -> Path:
         ) from None
 
 
-def load_drafter_with_format(source: str | Path, format: str | None = None) -> tuple[Drafter, ModuleType]:
+def load_drafter_with_format(
+    source: str | Path, format: str | None = None
+) -> tuple[Drafter, ModuleType]:
     path = resolve_source(source)
     fmt = format_named(format) if format else detect(path)
     return fmt.read(path), fmt
@@ -42,5 +44,7 @@ def load_drafter(source: str | Path, format: str | None = None) -> Drafter:
     return load_drafter_with_format(source, format)[0]
 
 
-def save_drafter(drafter: Drafter, dest: str | Path, format: str = "woodcock", *, force: bool = False) -> None:
+def save_drafter(
+    drafter: Drafter, dest: str | Path, format: str = "woodcock", *, force: bool = False
+) -> None:
     format_named(format).write(drafter, Path(dest), force=force)

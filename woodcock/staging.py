@@ -1,4 +1,4 @@
-"""Outputs appear whole or not at all: written into a hidden sibling directory, renamed at the end."""
+"""Outputs appear whole or not at all: written to a hidden sibling directory, renamed at the end."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from woodcock.ir import (
     Eagle3,
     Fusion,
     Head,
-    Target,
     Taps,
+    Target,
     VocabMap,
 )
 from woodcock.tensorfile import DTYPES

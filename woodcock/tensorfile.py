@@ -56,7 +56,9 @@ def read_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise DrafterError(f"{path}: truncated safetensors file: {size} bytes, expected at least 8")
+            raise DrafterError(
+                f"{path}: truncated safetensors file: {size} bytes, expected at least 8"
+            )
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise DrafterError(
@@ -164,7 +166,9 @@ def write_safetensors(
         }
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as the reference writer does
+    encoded += b" " * (
+        -len(encoded) % 8
+    )  # data starts 8-byte aligned, as the reference writer does
     digest = hashlib.sha256()
     with open(path, "wb") as f:
         for chunk in _chunks([struct.pack("<Q", len(encoded)), encoded], tensors, names):

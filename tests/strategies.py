@@ -1,0 +1,121 @@
+"""Hypothesis strategies for random valid drafter specs (tiny dims, every variant)."""
+
+from hypothesis import strategies as st
+
+from woodcock.ir import (
+    DecoderLayer,
+    DFlash,
+    DrafterSpec,
+    DSpark,
+    Eagle3,
+    Fusion,
+    Head,
+    Taps,
+    Target,
+)
+
+
+@st.composite
+def algorithms(draw, vocab_size):
+    kind = draw(st.sampled_from(["eagle3", "dflash", "dspark"]))
+    if kind == "eagle3":
+        return Eagle3(
+            norm_before_residual=draw(st.booleans()),
+            norm_output=draw(st.booleans()),
+            speculative_tokens=draw(st.integers(1, 8)),
+        )
+    block = dict(
+        block_size=draw(st.integers(2, 16)),
+        mask_token_id=draw(st.integers(0, vocab_size - 1)),
+        sample_from_anchor=draw(st.booleans()),
+    )
+    if kind == "dflash":
+        return DFlash(**block)
+    rank = draw(st.sampled_from([0, 2, 4]))
+    confidence = draw(st.booleans())
+    return DSpark(
+        **block,
+        markov_head_type=draw(st.sampled_from(["vanilla", "gated", "rnn"])),
+        markov_rank=rank,
+        confidence_head=confidence,
+        confidence_head_with_markov=confidence and rank > 0 and draw(st.booleans()),
+    )
+
+
+@st.composite
+def layers(draw, index, hidden_size, eagle3):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    rope_scaling = draw(
+        st.sampled_from(
+            [
+                None,
+                {"rope_type": "linear", "factor": 2.0},
+                {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ]
+        )
+    )
+    return DecoderLayer(
+        style=draw(st.sampled_from(["llama", "qwen3"])),
+        input="embed_and_hidden" if eagle3 and index == 0 else "hidden",
+        attention="causal"
+        if eagle3
+        else draw(st.sampled_from(["block_bidirectional", "block_causal"])),
+        sliding_window=draw(st.none() | st.integers(1, 64)),
+        hidden_size=hidden_size,
+        intermediate_size=draw(st.integers(1, 24)),
+        num_attention_heads=kv_heads * draw(st.sampled_from([1, 2])),
+        num_key_value_heads=kv_heads,
+        head_dim=draw(st.sampled_from([2, 4, 6])),
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5, 3.3e-7])),
+        rope_theta=draw(st.sampled_from([10000.0, 1e6, 500000.0])),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=draw(st.integers(16, 4096)),
+        attention_bias=draw(st.booleans()),
+        mlp_bias=draw(st.booleans()),
+    )
+
+
+@st.composite
+def specs(draw):
+    vocab_size = draw(st.integers(2, 40))
+    algorithm = draw(algorithms(vocab_size))
+    eagle3 = isinstance(algorithm, Eagle3)
+    num_target_layers = draw(st.integers(1, 8))
+    head = Head(
+        lm_head=draw(st.sampled_from(["own", "shared"])),
+        embedding=draw(st.sampled_from(["own", "shared"])),
+    )
+    hidden = draw(st.sampled_from([4, 8, 12]))
+    any_shared = "shared" in (head.lm_head, head.embedding)
+    target_hidden = hidden if any_shared else draw(st.sampled_from([4, 8, 12]))
+    tap_ids = draw(st.lists(st.integers(0, num_target_layers), min_size=1, max_size=4, unique=True))
+    num_layers = draw(st.integers(1, 3))
+    return DrafterSpec(
+        algorithm=algorithm,
+        target=Target(
+            num_hidden_layers=num_target_layers,
+            hidden_size=target_hidden,
+            vocab_size=vocab_size,
+            name_or_path=draw(st.none() | st.text(min_size=1, max_size=12)),
+            architectures=tuple(
+                draw(
+                    st.lists(st.sampled_from(["Qwen3ForCausalLM", "LlamaForCausalLM"]), max_size=1)
+                )
+            ),
+        ),
+        taps=Taps(tuple(sorted(tap_ids))),
+        fusion=Fusion(
+            tap_norm=draw(st.sampled_from(["none", "per_tap", "concat"])),
+            fc_bias=draw(st.booleans()),
+            hidden_norm=False if eagle3 else draw(st.booleans()),
+        ),
+        layers=tuple(draw(layers(i, hidden, eagle3)) for i in range(num_layers)),
+        head=head,
+        draft_vocab_size=draw(st.integers(1, vocab_size)),
+    )

@@ -1,0 +1,113 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from woodcock.cli import main
+from woodcock.loading import save_drafter
+from woodcock.synthetic import random_drafter, tiny_spec
+
+WOODCOCK = Path(sys.executable).with_name("woodcock")
+
+
+def run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def drafter_dir(tmp_path):
+    spec = tiny_spec(
+        "eagle3", num_layers=2, draft_vocab_size=64, tap_norm="per_tap", norm_output=True
+    )
+    path = tmp_path / "eagle"
+    save_drafter(random_drafter(spec, "BF16"), path)
+    return path
+
+
+def test_inspect_text(drafter_dir, capsys):
+    code, out, err = run(["inspect", str(drafter_dir)], capsys)
+    assert code == 0, err
+    assert "format      woodcock" in out
+    assert "eagle3 (norm_before_residual=False, norm_output=True, speculative_tokens=3)" in out
+    assert "[1, 2, 3] (after_layers) canonical; stored as [1, 2, 3] (after_layers)" in out
+    assert "per-tap RMSNorm -> fc" in out
+    assert "layer 0" in out and "input embed_and_hidden" in out and "layer 1" in out
+    assert "64 of 96 target ids (mapped)" in out
+    assert "BF16" in out
+    assert "reduced draft vocabulary without token counts" in out
+
+
+def test_inspect_json(drafter_dir, capsys):
+    code, out, _ = run(["inspect", "--json", str(drafter_dir)], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["format"] == "woodcock"
+    assert report["algorithm"]["name"] == "eagle3"
+    assert report["taps"]["canonical"] == {"convention": "after_layers", "layer_ids": [1, 2, 3]}
+    assert report["taps"]["stored"]["layer_ids"] == [1, 2, 3]
+    assert report["vocab"]["draft_vocab_size"] == 64 and report["vocab"]["mapped"]
+    assert report["parameters"]["shared"] == 96 * 32  # the embedding
+    assert report["dtypes"] == {
+        "BF16": len(
+            tiny_spec(
+                "eagle3", num_layers=2, draft_vocab_size=64, tap_norm="per_tap"
+            ).tensor_shapes()
+        )
+    }
+
+
+def test_inspect_damaged_copy_exits_2_with_one_line(drafter_dir, tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for f in drafter_dir.iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes())
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    result = subprocess.run([WOODCOCK, "inspect", str(damaged)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith("woodcock: error: ") and "model.safetensors" in lines[0]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = subprocess.run(
+        [WOODCOCK, "--debug", "inspect", str(tmp_path / "missing")], capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "DrafterError" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "no such file or directory"),
+        (
+            lambda p: (p / "empty").mkdir() or p / "empty",
+            "no known drafter format; looked for woodcock.json",
+        ),
+        (lambda p: (p / "file").write_text("x") and p / "file", "expected a drafter directory"),
+    ],
+)
+def test_inspect_bad_paths(tmp_path, capsys, make, message):
+    code, out, err = run(["inspect", str(make(tmp_path))], capsys)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_and_version(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "inspect" in out
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out.startswith("woodcock ")
+    code, _, err = run(["inspect"], capsys)
+    assert code == 2 and "Missing argument" in err
