@@ -99,7 +99,7 @@ def specs(draw):
     return DrafterSpec(
         algorithm=algorithm,
         target=Target(
-            num_hidden_layers=num_target_layers,
+            num_hidden_layers=draw(st.sampled_from([num_target_layers, None])),
             hidden_size=target_hidden,
             vocab_size=vocab_size,
             name_or_path=draw(st.none() | st.text(min_size=1, max_size=12)),

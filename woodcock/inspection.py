@@ -32,6 +32,11 @@ def drafter_warnings(drafter: Drafter) -> list[str]:
                 f"layers[{i}] attends only the last {layer.sliding_window} positions (sliding"
                 " window); runtimes that ignore layer types will disagree on long contexts"
             )
+    if spec.target.num_hidden_layers is None:
+        warnings.append(
+            "the format does not record the target's layer count: tap ids are unchecked until"
+            " a target is given (--target)"
+        )
     dtypes = drafter.weights.dtypes
     if len(dtypes) > 1:
         warnings.append(f"weights mix dtypes: {', '.join(f'{n} x{c}' for n, c in dtypes.items())}")
@@ -93,7 +98,8 @@ def render_text(report: dict[str, Any]) -> str:
         ("algorithm", f"{name} ({_pairs(algorithm)})"),
         (
             "target",
-            f"{target['name_or_path'] or '(unnamed)'}: {target['num_hidden_layers']} layers,"
+            f"{target['name_or_path'] or '(unnamed)'}:"
+            f" {target['num_hidden_layers'] or 'unknown number of'} layers,"
             f" hidden {target['hidden_size']}, vocab {target['vocab_size']}",
         ),
         (

@@ -195,9 +195,13 @@ def _positive(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class Target(Validated):
-    """The target model a drafter serves, as far as the drafter depends on it."""
+    """The target model a drafter serves, as far as the drafter depends on it.
 
-    num_hidden_layers: int
+    num_hidden_layers is None when the drafter's format does not record it (speculators does
+    not); tap ids are then checked against it once a target is given.
+    """
+
+    num_hidden_layers: int | None
     hidden_size: int
     vocab_size: int
     name_or_path: str | None = None
@@ -205,7 +209,8 @@ class Target(Validated):
 
     def validate(self) -> None:
         for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
-            _positive(name, getattr(self, name))
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -410,12 +415,14 @@ class DrafterSpec(Validated):
     def validate(self) -> None:
         n, vocab = self.target.num_hidden_layers, self.target.vocab_size
         for i, layer_id in enumerate(self.taps.layer_ids):
-            if not 0 <= layer_id <= n:
+            if layer_id < 0 or (n is not None and layer_id > n):
                 _fail(
                     f"taps.layer_ids[{i}]",
                     layer_id,
-                    f"an id in [0, {n}] (the target has {n} layers; id L = residual stream after"
-                    " L layers)",
+                    "a non-negative id"
+                    if n is None
+                    else f"an id in [0, {n}] (the target has {n} layers; id L = residual stream"
+                    " after L layers)",
                 )
         if not self.layers:
             _fail("layers", [], "at least one decoder layer")

@@ -11,7 +11,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import Target
 from woodcock.jsonfile import read_json_object
 from woodcock.loading import resolve_source
-from woodcock.tensorfile import read_safetensors
+from woodcock.tensorfile import read_checkpoint
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "llm.embed.weight")
 HEAD_NAMES = ("lm_head.weight", "output.weight", "llm.unembed.weight")
@@ -19,7 +19,8 @@ HEAD_NAMES = ("lm_head.weight", "output.weight", "llm.unembed.weight")
 
 def _text_config(config: dict) -> dict:
     """Multimodal configs keep the language model's facts under text_config."""
-    return config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
 def target_from_config(source: str | Path) -> Target:
@@ -36,31 +37,16 @@ def target_from_config(source: str | Path) -> Target:
     return Target(name_or_path=str(source), architectures=tuple(architectures), **facts)
 
 
-def _tensor_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise DrafterError(f"{index}: expected a weight_map object")
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DrafterError(f"{path}: no *.safetensors files for the target's weights")
-    return files
-
-
 def load_target_tensors(source: str | Path) -> dict[str, np.ndarray]:
     """{"embed_tokens.weight": [V, Ht], "lm_head.weight": [V, Ht]}, memory-mapped; the LM head is
     the embedding when the target ties them (no separate head tensor)."""
     path = resolve_source(source)
     embedding = head = None
-    for file in _tensor_files(path):
-        tensors, _ = read_safetensors(file)
-        for name, array in tensors.items():
-            if embedding is None and name.endswith(EMBEDDING_SUFFIXES):
-                embedding = array
-            if head is None and name.endswith(HEAD_NAMES):
-                head = array
+    for name, array in read_checkpoint(path).items():
+        if embedding is None and name.endswith(EMBEDDING_SUFFIXES):
+            embedding = array
+        if head is None and name.endswith(HEAD_NAMES):
+            head = array
     if embedding is None:
         raise DrafterError(
             f"{path}: no token embedding among the target's tensors"

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from woodcock.errors import DrafterError
+from woodcock.jsonfile import read_json_object
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -144,6 +145,34 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         )
         tensors[name] = flat.reshape(entry["shape"])
     return tensors, metadata
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: the shards its index names, else every
+    *.safetensors file in it."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        files = weight_map.values() if isinstance(weight_map, dict) else None
+        if files is None or not all(isinstance(v, str) for v in files):
+            raise DrafterError(f"{index}: expected a weight_map of tensor name -> file name")
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DrafterError(f"{path}: no model.safetensors (or index of shards)")
+    return files
+
+
+def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a (possibly sharded) checkpoint directory, memory-mapped."""
+    tensors: dict[str, np.ndarray] = {}
+    for file in checkpoint_files(path):
+        for name, array in read_safetensors(file)[0].items():
+            if name in tensors:
+                raise DrafterError(f"{file}: tensor {name!r} also appears in another shard")
+            tensors[name] = array
+    return tensors
 
 
 def _empty(entry: dict) -> np.ndarray:
