@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
+from woodcock.formats import speculators
 from woodcock.formats import woodcock as native
 
 from woodcock.errors import DrafterError
 
-FORMATS: tuple[ModuleType, ...] = (native,)
+FORMATS: tuple[ModuleType, ...] = (native, speculators)
 
 
 def format_named(name: str) -> ModuleType:

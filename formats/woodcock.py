@@ -12,6 +12,7 @@ woodcock.json       the manifest: target, taps, the tensor table (name, shape, d
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,9 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
         write_json(out / MANIFEST, manifest)
 
 
-def read(path: Path, *, verify: bool = True) -> Drafter:
-    """Load a native drafter; weights stay memory-mapped. `verify` checks every sha256."""
+def read(path: Path, *, verify: bool = True, taps: Sequence[int] | None = None) -> Drafter:
+    """Load a native drafter; weights stay memory-mapped. `verify` checks every sha256. The
+    format records its taps: `taps`, if given, must agree with them."""
     path = Path(path)
     manifest = _read_manifest(path)
     if verify:
@@ -129,6 +131,11 @@ def read(path: Path, *, verify: bool = True) -> Drafter:
             raise DrafterError(
                 f"{path / MANIFEST}: {key} = {manifest[key]!r} disagrees with {CONFIG} ({value!r})"
             )
+    if taps is not None and tuple(taps) != spec.taps.layer_ids:
+        raise DrafterError(
+            f"{path / CONFIG}: records taps {list(spec.taps.layer_ids)}; --taps {list(taps)}"
+            " disagrees (the native format is never re-tapped on read)"
+        )
     _check_tensor_table(path, manifest["tensors"])
     tensors, _ = read_safetensors(path / WEIGHTS)
     draft_to_target = tensors.pop(VOCAB_TENSOR, None)

@@ -119,3 +119,35 @@ def specs(draw):
         head=head,
         draft_vocab_size=draw(st.integers(1, vocab_size)),
     )
+
+
+def speculators_representable(spec: DrafterSpec) -> DrafterSpec:
+    """The nearest spec the speculators format can hold: one layer config for all layers, one
+    sliding window and one in-block causality for all sliding layers, no fc bias, qwen3 layers
+    and hidden_norm(fc(concat)) fusion for block drafters."""
+    import dataclasses
+
+    block = spec.is_block
+    first = spec.layers[0]
+    style = "qwen3" if block else first.style
+    window = next((layer.sliding_window for layer in spec.layers if layer.sliding_window), None)
+    sliding_kind = next(
+        (layer.attention for layer in spec.layers if layer.sliding_window), "block_causal"
+    )
+    layers = tuple(
+        dataclasses.replace(
+            first,
+            style=style,
+            mlp_bias=first.mlp_bias and style == "llama",
+            input=layer.input,
+            attention="causal"
+            if not block
+            else ("block_bidirectional" if layer.sliding_window is None else sliding_kind),
+            sliding_window=window if layer.sliding_window else None,
+        )
+        for layer in spec.layers
+    )
+    fusion = dataclasses.replace(spec.fusion, fc_bias=False)
+    if block:
+        fusion = Fusion(tap_norm="none", fc_bias=False, hidden_norm=True)
+    return dataclasses.replace(spec, layers=layers, fusion=fusion)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -54,6 +55,68 @@ def inspect(
 
     report = describe(path)
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
+
+
+def _parse_taps(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise DrafterError(
+            f"--taps {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
+        ) from None
+
+
+@app.command()
+def convert(
+    source: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
+    dest: Annotated[str, typer.Argument(help="Output directory (must not exist, or --force).")],
+    to: Annotated[str, typer.Option("--to", help="Output format: woodcock or speculators.")],
+    source_format: Annotated[
+        str | None, typer.Option("--from", help="Input format (default: detected).")
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="Target model directory or id: records its facts, checks the taps and copies in"
+            " the tensors the drafter shares with it.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Cast weights: float32, bfloat16 or float16.")
+    ] = None,
+    taps: Annotated[
+        str | None,
+        typer.Option(
+            "--taps",
+            help="Tapped target layers, canonical ids (residual stream after L layers), for"
+            " sources that do not record them.",
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Convert a drafter between formats, losslessly or with an error saying why not."""
+    from woodcock.converters.dtype import cast
+    from woodcock.converters.target import attach_target, fill_shared
+    from woodcock.formats.detect import format_named
+    from woodcock.loading import load_drafter_with_format
+    from woodcock.target_files import load_target_tensors, target_from_config
+
+    writer = format_named(to)
+    drafter, reader = load_drafter_with_format(source, source_format, taps=_parse_taps(taps))
+    if target is not None:
+        drafter = attach_target(drafter, target_from_config(target))
+        drafter = fill_shared(drafter, load_target_tensors(target))
+    if dtype is not None:
+        drafter = cast(drafter, dtype)
+    writer.write(drafter, Path(dest), force=force)
+    spec = drafter.spec
+    typer.echo(
+        f"{source} ({reader.NAME}) -> {dest} ({writer.NAME}): {spec.algorithm.name},"
+        f" {len(drafter.weights)} tensors, {drafter.parameter_counts()['own']:,} parameters"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

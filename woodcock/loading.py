@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -33,15 +34,18 @@ def resolve_source(source: str | Path) -> Path:
 
 
 def load_drafter_with_format(
-    source: str | Path, format: str | None = None
+    source: str | Path, format: str | None = None, *, taps: Sequence[int] | None = None
 ) -> tuple[Drafter, ModuleType]:
+    """`taps` (canonical layer ids) supplies tap ids a format did not record."""
     path = resolve_source(source)
     fmt = format_named(format) if format else detect(path)
-    return fmt.read(path), fmt
+    return fmt.read(path, taps=taps), fmt
 
 
-def load_drafter(source: str | Path, format: str | None = None) -> Drafter:
-    return load_drafter_with_format(source, format)[0]
+def load_drafter(
+    source: str | Path, format: str | None = None, *, taps: Sequence[int] | None = None
+) -> Drafter:
+    return load_drafter_with_format(source, format, taps=taps)[0]
 
 
 def save_drafter(

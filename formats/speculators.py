@@ -1,0 +1,653 @@
+"""The speculators / vLLM format (vllm-project/speculators 0.9.0): EAGLE-3, DFlash and DSpark.
+
+    config.json        speculators_model_type, speculators_config (proposal, verifier),
+                       transformer_layer_config (a Hugging Face llama/qwen3 config of the draft
+                       layers), draft_vocab_size and the algorithm's keys
+    model.safetensors  canonical tensor names (the IR's), plus `d2t` (int64 [Vd], offsets:
+                       target id = i + d2t[i]) and `t2d` (bool [V]) when the vocabulary is reduced
+
+Layer ids count the residual stream after L layers, as the IR does. Not stored: the target's
+layer count; embed_tokens (EAGLE-3 optional, DFlash/DSpark never) and, for full-vocabulary
+DFlash/DSpark, lm_head: those are "shared" in the IR. Keys missing from transformer_layer_config
+take the Hugging Face class defaults (that is how speculators and vLLM read it); the algorithm
+flags that speculators and vLLM default differently are required on read and always written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from woodcock.errors import DrafterError
+from woodcock.ir import (
+    CANONICAL_LAYER_CONVENTION,
+    DecoderLayer,
+    DFlash,
+    Drafter,
+    DrafterSpec,
+    DSpark,
+    Eagle3,
+    Fusion,
+    Head,
+    Taps,
+    Target,
+    VocabMap,
+    Weights,
+    error_prefix,
+)
+from woodcock.jsonfile import read_json_object, write_json
+from woodcock.staging import staged_directory
+from woodcock.tensorfile import read_checkpoint, write_safetensors
+
+NAME = "speculators"
+LAYER_CONVENTION = CANONICAL_LAYER_CONVENTION
+SIGNATURE = "config.json with speculators_model_type"
+SPECULATORS_VERSION = "0.9.0"
+
+ARCHITECTURES = {
+    "eagle3": "Eagle3DraftModel",
+    "dflash": "DFlashDraftModel",
+    "dspark": "DSparkDraftModel",
+}
+COMMON_KEYS = {
+    "speculators_model_type",
+    "architectures",
+    "speculators_version",
+    "speculators_config",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "tie_word_embeddings",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "auto_map",
+}
+EAGLE3_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+BLOCK_KEYS = ("block_size", "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor")
+DSPARK_KEYS = (
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+ALGORITHM_KEYS = {
+    "eagle3": {*EAGLE3_FLAGS, "eagle_aux_hidden_state_layer_ids", "embed_requires_grad"},
+    "dflash": {*BLOCK_KEYS, "sliding_window_non_causal"},
+    "dspark": {*BLOCK_KEYS, "sliding_window_non_causal", *DSPARK_KEYS},
+}
+
+# transformers 5.x class defaults for the keys a draft layer depends on (tests check them
+# against transformers). None: derived (llama: kv heads = heads, head_dim = hidden / heads).
+HF_LAYER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+}
+DEFAULT_ROPE_THETA = 10000.0
+# Keys of transformer_layer_config read besides the class defaults' own.
+LAYER_KEYS_READ = {
+    "model_type",
+    "mlp_bias",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+}
+# Keys of a Hugging Face decoder config that do not change what a draft layer computes.
+INERT_LAYER_KEYS = {
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "initializer_range",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "pretraining_tp",
+    "attention_dropout",
+    "tie_word_embeddings",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+}
+
+
+def matches(path: Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and "speculators_model_type" in read_json_object(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# read
+
+
+def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
+    """`taps` (canonical ids) supplies the tap ids when the config lacks them, or replaces them."""
+    path = Path(path)
+    config_path = path / "config.json"
+    config = read_json_object(config_path)
+    with error_prefix(f"{config_path}: "):
+        algorithm_name = config.get("speculators_model_type")
+        if algorithm_name not in ALGORITHM_KEYS:
+            raise DrafterError(
+                f"speculators_model_type = {algorithm_name!r}: expected one of"
+                f" {', '.join(ALGORITHM_KEYS)}"
+            )
+        unknown = sorted(set(config) - COMMON_KEYS - ALGORITHM_KEYS[algorithm_name])
+        if unknown:
+            raise DrafterError(f"unknown key(s) {', '.join(unknown)} for {algorithm_name}")
+        layer_config = _require(config, "transformer_layer_config", dict)
+        with error_prefix("transformer_layer_config."):
+            layers = _read_layers(layer_config, algorithm_name, config)
+        proposal = _read_speculators_config(config, algorithm_name)
+        algorithm, fusion = _read_algorithm(config, algorithm_name, proposal)
+        stored_taps = config.get(
+            "eagle_aux_hidden_state_layer_ids"
+            if algorithm_name == "eagle3"
+            else "aux_hidden_state_layer_ids"
+        )
+        tap_ids = _tap_ids(stored_taps, taps, algorithm_name)
+        default_vocab = HF_LAYER_DEFAULTS[_style(layer_config)]["vocab_size"]
+        vocab_size = layer_config.get("vocab_size", default_vocab)
+        vocab_size = _int(vocab_size, "transformer_layer_config.vocab_size")
+        hidden = layers[0].hidden_size
+        target_hidden = config.get("target_hidden_size")
+        verifier = config["speculators_config"]["verifier"]
+        target = Target(
+            num_hidden_layers=None,
+            hidden_size=hidden
+            if target_hidden is None
+            else _int(target_hidden, "target_hidden_size"),
+            vocab_size=vocab_size,
+            name_or_path=verifier.get("name_or_path"),
+            architectures=tuple(verifier.get("architectures") or ()),
+        )
+        draft_vocab_size = _int(_require(config, "draft_vocab_size", int), "draft_vocab_size")
+    tensors = read_checkpoint(path)
+    vocab = _read_vocab(path, tensors, draft_vocab_size, vocab_size)
+    head = Head(
+        lm_head="own" if "lm_head.weight" in tensors else "shared",
+        embedding="own" if "embed_tokens.weight" in tensors else "shared",
+    )
+    with error_prefix(f"{path}: "):
+        spec = DrafterSpec(
+            algorithm=algorithm,
+            target=target,
+            taps=Taps(tap_ids),
+            fusion=fusion,
+            layers=layers,
+            head=head,
+            draft_vocab_size=draft_vocab_size,
+        )
+        return Drafter(spec, vocab, Weights(tensors))
+
+
+def _require(mapping: dict, key: str, kind: type) -> Any:
+    if key not in mapping:
+        raise DrafterError(f"missing key {key}")
+    value = mapping[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise DrafterError(f"{key} = {value!r}: expected {kind.__name__}")
+    return value
+
+
+def _int(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DrafterError(f"{name} = {value!r}: expected an integer")
+    return value
+
+
+def _style(layer_config: dict) -> str:
+    model_type = layer_config.get(
+        "model_type", "qwen3"
+    )  # speculators builds Qwen3Config without it
+    if model_type not in HF_LAYER_DEFAULTS:
+        raise DrafterError(
+            f"transformer_layer_config.model_type = {model_type!r}: expected 'llama' or 'qwen3'"
+        )
+    return model_type
+
+
+def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderLayer, ...]:
+    style = _style(cfg)
+    defaults = HF_LAYER_DEFAULTS[style]
+    unknown = sorted(set(cfg) - set(defaults) - LAYER_KEYS_READ - INERT_LAYER_KEYS)
+    if unknown:
+        raise DrafterError(
+            f"unknown key(s) {', '.join(unknown)} (they may change the layer's math)"
+        )
+    value = {key: cfg.get(key, default) for key, default in defaults.items()}
+    heads = _int(value["num_attention_heads"], "num_attention_heads")
+    hidden = _int(value["hidden_size"], "hidden_size")
+    kv_heads = heads if value["num_key_value_heads"] is None else value["num_key_value_heads"]
+    head_dim = hidden // heads if value["head_dim"] is None else value["head_dim"]
+    num_layers = _int(value["num_hidden_layers"], "num_hidden_layers")
+    layer_types = _layer_types(cfg, style, num_layers)
+    any_sliding = "sliding_attention" in layer_types
+    window = cfg.get("sliding_window", defaults.get("sliding_window")) if any_sliding else None
+    if any_sliding and not isinstance(window, int):
+        raise DrafterError(f"sliding_window = {window!r}: expected an integer for sliding layers")
+    theta, scaling = _rope(cfg)
+    mlp_bias = cfg.get("mlp_bias", False) or False
+    block = algorithm_name != "eagle3"
+    if block and any_sliding:
+        if "sliding_window_non_causal" not in config:
+            raise DrafterError(
+                "missing key sliding_window_non_causal (sliding layers are causal in the block"
+                " unless it is true; refusing to guess)"
+            )
+    non_causal = bool(config.get("sliding_window_non_causal", False))
+    layers = []
+    for i, layer_type in enumerate(layer_types):
+        sliding = layer_type == "sliding_attention"
+        if not block:
+            attention = "causal"
+        elif sliding and not non_causal:
+            attention = "block_causal"
+        else:
+            attention = "block_bidirectional"
+        with error_prefix(f"layers[{i}]."):
+            layers.append(
+                DecoderLayer(
+                    # speculators runs DFlash/DSpark layers as Qwen3 layers whatever model_type says
+                    style="qwen3" if block else style,
+                    input="embed_and_hidden" if not block and i == 0 else "hidden",
+                    attention=attention,
+                    sliding_window=window if sliding else None,
+                    hidden_size=hidden,
+                    intermediate_size=value["intermediate_size"],
+                    num_attention_heads=heads,
+                    num_key_value_heads=kv_heads,
+                    head_dim=head_dim,
+                    rms_norm_eps=value["rms_norm_eps"],
+                    rope_theta=theta,
+                    rope_scaling=scaling,
+                    max_position_embeddings=value["max_position_embeddings"],
+                    attention_bias=value["attention_bias"],
+                    mlp_bias=mlp_bias,
+                    hidden_act=value["hidden_act"],
+                )
+            )
+    return tuple(layers)
+
+
+def _layer_types(cfg: dict, style: str, num_layers: int) -> list[str]:
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        if style == "qwen3" and cfg.get("use_sliding_window", False):
+            first = cfg.get("max_window_layers", HF_LAYER_DEFAULTS["qwen3"]["max_window_layers"])
+            return [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+        return ["full_attention"] * num_layers
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or not set(layer_types) <= {"full_attention", "sliding_attention"}
+    ):
+        raise DrafterError(
+            f"layer_types = {layer_types!r}: expected {num_layers} entries of"
+            " 'full_attention' or 'sliding_attention'"
+        )
+    if style == "qwen3" and "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        # Qwen3Config drops the window when use_sliding_window is false
+        return ["full_attention"] * num_layers
+    return layer_types
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        distinct = {repr(sorted(v.items())) for v in params.values()}
+        if len(distinct) > 1:
+            raise DrafterError(f"rope_parameters = {params!r}: per-layer-type rope differs")
+        params = next(iter(params.values()))
+    if params is None:
+        theta = cfg.get("rope_theta", DEFAULT_ROPE_THETA)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    elif isinstance(params, dict):
+        if "rope_theta" not in params:
+            raise DrafterError(f"rope_parameters = {params!r}: expected a rope_theta")
+        theta = params["rope_theta"]
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        raise DrafterError(f"rope_parameters = {params!r}: expected an object")
+    if "type" in scaling:  # pre-4.45 spelling
+        scaling["rope_type"] = scaling.pop("type")
+    if not isinstance(theta, int | float) or isinstance(theta, bool):
+        raise DrafterError(f"rope_theta = {theta!r}: expected a number")
+    if scaling.get("rope_type", "default") == "default":
+        extra = sorted(set(scaling) - {"rope_type"})
+        if extra:
+            raise DrafterError(f"rope parameters {', '.join(extra)} given for default RoPE")
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _read_speculators_config(config: dict, algorithm_name: str) -> dict:
+    spec_config = _require(config, "speculators_config", dict)
+    with error_prefix("speculators_config."):
+        algorithm = spec_config.get("algorithm")
+        if algorithm != algorithm_name:
+            raise DrafterError(f"algorithm = {algorithm!r}: expected {algorithm_name!r}")
+        methods = _require(spec_config, "proposal_methods", list)
+        default = spec_config.get("default_proposal_method")
+        chosen = [m for m in methods if isinstance(m, dict) and m.get("proposal_type") == default]
+        if not chosen:
+            raise DrafterError(
+                f"default_proposal_method = {default!r}: expected the proposal_type of one of"
+                " proposal_methods"
+            )
+        verifier = _require(spec_config, "verifier", dict)
+        if "name_or_path" not in verifier:
+            raise DrafterError("verifier: missing key name_or_path")
+        return chosen[0]
+
+
+def _read_algorithm(config: dict, name: str, proposal: dict) -> tuple[Any, Fusion]:
+    if name == "eagle3":
+        missing = [flag for flag in EAGLE3_FLAGS if flag not in config]
+        if missing:
+            raise DrafterError(
+                f"missing key(s) {', '.join(missing)}: speculators and vLLM default them"
+                " differently (vLLM: norm_before_residual true), so they must be stated"
+            )
+        flags = {flag: _require(config, flag, bool) for flag in EAGLE3_FLAGS}
+        if flags["fc_norm"] and flags["norm_before_fc"]:
+            raise DrafterError("fc_norm and norm_before_fc are both true; they are exclusive")
+        tap_norm = (
+            "per_tap" if flags["fc_norm"] else "concat" if flags["norm_before_fc"] else "none"
+        )
+        algorithm = Eagle3(
+            norm_before_residual=flags["norm_before_residual"],
+            norm_output=flags["norm_output"],
+            speculative_tokens=_int(proposal.get("speculative_tokens"), "speculative_tokens"),
+        )
+        return algorithm, Fusion(tap_norm=tap_norm, fc_bias=False, hidden_norm=False)
+    # the tap ids are checked with the taps, where --taps can supply them
+    keys = ("block_size", "mask_token_id", "sample_from_anchor")
+    keys += DSPARK_KEYS if name == "dspark" else ()
+    missing = [key for key in keys if key not in config or config[key] is None]
+    if missing:
+        raise DrafterError(f"missing key(s) {', '.join(missing)} for {name}")
+    block = {
+        "block_size": _require(config, "block_size", int),
+        "mask_token_id": _require(config, "mask_token_id", int),
+        "sample_from_anchor": _require(config, "sample_from_anchor", bool),
+    }
+    if name == "dflash":
+        algorithm = DFlash(**block)
+    else:
+        algorithm = DSpark(
+            **block,
+            markov_head_type=_require(config, "markov_head_type", str),
+            markov_rank=_require(config, "markov_rank", int),
+            confidence_head=_require(config, "enable_confidence_head", bool),
+            confidence_head_with_markov=_require(config, "confidence_head_with_markov", bool),
+        )
+    return algorithm, Fusion(tap_norm="none", fc_bias=False, hidden_norm=True)
+
+
+def _tap_ids(stored: Any, override: Sequence[int] | None, algorithm_name: str) -> tuple[int, ...]:
+    key = (
+        "eagle_aux_hidden_state_layer_ids"
+        if algorithm_name == "eagle3"
+        else "aux_hidden_state_layer_ids"
+    )
+    if override is not None:
+        return tuple(override)
+    if not stored:
+        raise DrafterError(
+            f"{key} = {stored!r}: the tapped target layers are not recorded; pass them with"
+            " --taps (canonical ids: residual stream after L layers)"
+        )
+    if not isinstance(stored, list) or not all(isinstance(i, int) for i in stored):
+        raise DrafterError(f"{key} = {stored!r}: expected a list of layer ids")
+    if len(set(stored)) != len(stored):
+        raise DrafterError(f"{key} = {stored!r}: repeated layer ids")
+    return tuple(sorted(stored))  # the states are concatenated in ascending layer order
+
+
+def _read_vocab(
+    path: Path, tensors: dict[str, np.ndarray], draft_vocab: int, vocab: int
+) -> VocabMap:
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    where = path / "model.safetensors"
+    ids = None
+    if d2t is not None:
+        if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
+            raise DrafterError(
+                f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{draft_vocab}]"
+            )
+        ids = np.arange(draft_vocab, dtype=np.int64) + d2t.astype(np.int64)
+    if t2d is not None:
+        if t2d.shape != (vocab,) or t2d.dtype != np.bool_:
+            raise DrafterError(
+                f"{where}: t2d is {t2d.dtype} {list(t2d.shape)}, expected bool [{vocab}]"
+            )
+        selected = np.flatnonzero(t2d)
+        if ids is None:
+            ids = selected
+        elif not np.array_equal(np.sort(ids), selected):
+            raise DrafterError(
+                f"{where}: d2t and t2d disagree: i + d2t[i] does not give the target ids t2d marks"
+                " (is d2t stored as absolute ids instead of offsets?)"
+            )
+    if draft_vocab == vocab:
+        if ids is not None and not np.array_equal(ids, np.arange(vocab)):
+            raise DrafterError(f"{where}: d2t/t2d map a full-size draft vocabulary to other ids")
+        return VocabMap()
+    if ids is None:
+        raise DrafterError(
+            f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but there is no d2t"
+            " or t2d: the draft-to-target map is missing (an identity map would be wrong)"
+        )
+    return VocabMap(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# write
+
+
+def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
+    spec = drafter.spec
+    config = speculators_config(spec)
+    tensors = dict(drafter.weights)
+    ids = drafter.vocab.draft_to_target
+    if ids is not None:
+        tensors["d2t"] = ids - np.arange(spec.draft_vocab_size, dtype=np.int64)
+        t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    dtypes = drafter.weights.dtypes
+    if len(dtypes) == 1:
+        config["dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
+            next(iter(dtypes))
+        )
+    with staged_directory(path, force=force) as out:
+        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+        write_json(out / "config.json", config)
+
+
+def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
+    """The config.json that speculators 0.9.0 and vLLM read for this spec, or a DrafterError
+    naming what the format cannot hold."""
+    algorithm = spec.algorithm
+    name = algorithm.name
+    if spec.fusion.fc_bias:
+        raise DrafterError("speculators cannot hold fusion.fc_bias = true (its fc has no bias)")
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[name]],
+        "speculators_model_type": name,
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": None
+        if spec.target.hidden_size == spec.hidden_size
+        else spec.target.hidden_size,
+        "tie_word_embeddings": False,
+    }
+    if isinstance(algorithm, Eagle3):
+        config["eagle_aux_hidden_state_layer_ids"] = list(spec.taps.layer_ids)
+        config["norm_before_residual"] = algorithm.norm_before_residual
+        config["norm_before_fc"] = spec.fusion.tap_norm == "concat"
+        config["fc_norm"] = spec.fusion.tap_norm == "per_tap"
+        config["norm_output"] = algorithm.norm_output
+        config["embed_requires_grad"] = False
+        speculative_tokens = algorithm.speculative_tokens
+    else:
+        if spec.fusion.tap_norm != "none" or not spec.fusion.hidden_norm:
+            raise DrafterError(
+                f"speculators {name} fuses taps as hidden_norm(fc(concat)): it cannot hold"
+                f" fusion.tap_norm = {spec.fusion.tap_norm!r},"
+                f" hidden_norm = {spec.fusion.hidden_norm}"
+            )
+        config["aux_hidden_state_layer_ids"] = list(spec.taps.layer_ids)
+        config["block_size"] = algorithm.block_size
+        config["mask_token_id"] = algorithm.mask_token_id
+        config["sample_from_anchor"] = algorithm.sample_from_anchor
+        config["sliding_window_non_causal"] = _sliding_non_causal(spec)
+        if isinstance(algorithm, DSpark):
+            config["markov_rank"] = algorithm.markov_rank
+            config["markov_head_type"] = algorithm.markov_head_type
+            config["enable_confidence_head"] = algorithm.confidence_head
+            config["confidence_head_with_markov"] = algorithm.confidence_head_with_markov
+        speculative_tokens = algorithm.num_drafts
+    config["speculators_config"] = {
+        "algorithm": name,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": spec.target.name_or_path,
+            "architectures": list(spec.target.architectures),
+        },
+    }
+    config["transformer_layer_config"] = _layer_config(spec)
+    return config
+
+
+def _sliding_non_causal(spec: DrafterSpec) -> bool:
+    """speculators has one switch for every sliding layer; full layers are always bidirectional."""
+    kinds = set()
+    for i, layer in enumerate(spec.layers):
+        if layer.sliding_window is None:
+            if layer.attention != "block_bidirectional":
+                raise DrafterError(
+                    f"layers[{i}].attention = {layer.attention!r} without a sliding window:"
+                    " speculators makes full-attention layers bidirectional in the block"
+                )
+        else:
+            kinds.add(layer.attention)
+    if len(kinds) > 1:
+        raise DrafterError(
+            "sliding layers mix block_causal and block_bidirectional; speculators has one"
+            " sliding_window_non_causal switch for all of them"
+        )
+    return kinds == {"block_bidirectional"}
+
+
+def _layer_config(spec: DrafterSpec) -> dict[str, Any]:
+    first = spec.layers[0]
+    shared_fields = (
+        "style",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "max_position_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "hidden_act",
+    )
+    for i, layer in enumerate(spec.layers[1:], start=1):
+        for field in shared_fields:
+            if getattr(layer, field) != getattr(first, field):
+                raise DrafterError(
+                    f"layers[{i}].{field} = {getattr(layer, field)!r} differs from layers[0]"
+                    f" ({getattr(first, field)!r}); speculators has one transformer_layer_config"
+                )
+    windows = {layer.sliding_window for layer in spec.layers} - {None}
+    if len(windows) > 1:
+        raise DrafterError(f"sliding windows {sorted(windows)} differ; speculators has one")
+    if spec.is_block and first.style != "qwen3":
+        raise DrafterError(
+            f"layers[0].style = {first.style!r}: speculators runs {spec.algorithm.name} layers as"
+            " qwen3 layers (with q/k norm)"
+        )
+    if first.style == "qwen3" and first.mlp_bias:
+        raise DrafterError("layers[0].mlp_bias = true: speculators' qwen3 MLP has no bias")
+    rope = {"rope_type": "default", "rope_theta": first.rope_theta}
+    if first.rope_scaling is not None:
+        rope = {**first.rope_scaling, "rope_theta": first.rope_theta}
+    layer_types = [
+        "full_attention" if layer.sliding_window is None else "sliding_attention"
+        for layer in spec.layers
+    ]
+    config = {
+        "model_type": first.style,
+        "vocab_size": spec.target.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": first.intermediate_size,
+        "num_hidden_layers": len(spec.layers),
+        "num_attention_heads": first.num_attention_heads,
+        "num_key_value_heads": first.num_key_value_heads,
+        "head_dim": first.head_dim,
+        "hidden_act": first.hidden_act,
+        "rms_norm_eps": first.rms_norm_eps,
+        "max_position_embeddings": first.max_position_embeddings,
+        "attention_bias": first.attention_bias,
+        "tie_word_embeddings": False,
+        "rope_parameters": rope,
+        "layer_types": layer_types,
+        "sliding_window": next(iter(windows)) if windows else None,
+    }
+    if first.style == "llama":
+        config["mlp_bias"] = first.mlp_bias
+    else:
+        config["use_sliding_window"] = bool(windows)
+    return config

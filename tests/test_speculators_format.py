@@ -1,0 +1,390 @@
+"""The speculators reader and writer against our own expectations (the real package is checked
+in tests/interop)."""
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_same_drafter
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import specs, speculators_representable
+from woodcock.formats import speculators
+
+from woodcock.cli import main
+from woodcock.errors import DrafterError
+from woodcock.ir import Drafter
+from woodcock.loading import load_drafter
+from woodcock.synthetic import random_drafter, tiny_spec
+from woodcock.tensorfile import read_safetensors, write_safetensors
+
+
+def without_layer_count(spec):
+    return dataclasses.replace(
+        spec, target=dataclasses.replace(spec.target, num_hidden_layers=None)
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(), dtype=st.sampled_from(["F32", "BF16"]), seed=st.integers(0, 2**16))
+def test_write_read_round_trip_is_bit_exact(spec, dtype, seed):
+    spec = speculators_representable(spec)
+    drafter = random_drafter(spec, dtype, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        speculators.write(drafter, Path(tmp, "s"))
+        loaded = speculators.read(Path(tmp, "s"))
+        expected = Drafter(without_layer_count(spec), drafter.vocab, drafter.weights)
+        assert_same_drafter(expected, loaded)
+        speculators.write(loaded, Path(tmp, "again"))
+        for name in ("model.safetensors", "config.json"):
+            assert Path(tmp, "s", name).read_bytes() == Path(tmp, "again", name).read_bytes()
+
+
+def test_vocab_map_is_written_as_offsets_and_mask(tmp_path):
+    drafter = random_drafter(tiny_spec("eagle3", draft_vocab_size=10), seed=3)
+    speculators.write(drafter, tmp_path / "s")
+    tensors, _ = read_safetensors(tmp_path / "s" / "model.safetensors")
+    ids = drafter.vocab.draft_to_target
+    assert tensors["d2t"].dtype == np.int64 and np.array_equal(tensors["d2t"] + np.arange(10), ids)
+    assert tensors["t2d"].dtype == np.bool_ and np.array_equal(np.flatnonzero(tensors["t2d"]), ids)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert flag in config  # vLLM defaults some of them differently when missing
+    layer = config["transformer_layer_config"]
+    for key in (
+        "model_type",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_parameters",
+        "hidden_act",
+        "attention_bias",
+    ):
+        assert key in layer
+
+
+def test_hf_layer_defaults_match_transformers():
+    import transformers
+
+    for style, cls in (("llama", transformers.LlamaConfig), ("qwen3", transformers.Qwen3Config)):
+        reference = cls()
+        for key, value in speculators.HF_LAYER_DEFAULTS[style].items():
+            if value is None:
+                continue
+            if key == "sliding_window":  # Qwen3Config keeps it only when the window is used
+                assert cls(use_sliding_window=True).sliding_window == value
+            else:
+                assert getattr(reference, key) == value, (style, key)
+        assert reference.rope_parameters["rope_theta"] == speculators.DEFAULT_ROPE_THETA
+    llama = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4)
+    assert llama.head_dim == 16 and llama.num_key_value_heads == 4  # the derived defaults
+
+
+@pytest.fixture
+def saved(tmp_path):
+    def save(spec, name="s"):
+        path = tmp_path / name
+        speculators.write(random_drafter(spec, seed=1), path)
+        return path
+
+    return save
+
+
+def edit_config(path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, edit):
+    tensors, metadata = read_safetensors(path / "model.safetensors")
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    edit(tensors)
+    write_safetensors(path / "model.safetensors", tensors, metadata)
+
+
+DFLASH = tiny_spec("dflash", style="qwen3")
+EAGLE = tiny_spec("eagle3", draft_vocab_size=40)
+
+
+@pytest.mark.parametrize(
+    "spec, damage, message",
+    [
+        (
+            DFLASH,
+            lambda p: edit_config(p, lambda c: c.pop("aux_hidden_state_layer_ids")),
+            "aux_hidden_state_layer_ids = None: the tapped target layers are not recorded; pass them with --taps",
+        ),
+        (
+            DFLASH,
+            lambda p: edit_config(p, lambda c: c.update(mask_token_id=None)),
+            r"missing key\(s\) mask_token_id for dflash",
+        ),
+        (
+            DFLASH,
+            lambda p: edit_config(p, lambda c: c.pop("sample_from_anchor")),
+            r"missing key\(s\) sample_from_anchor",
+        ),
+        (
+            DFLASH,
+            lambda p: edit_config(p, lambda c: c.update(aux_hidden_state_layer_ids=[1, 2, 2])),
+            r"aux_hidden_state_layer_ids = \[1, 2, 2\]: repeated layer ids",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_tensors(p, lambda t: t["d2t"].__setitem__(1, t["d2t"][0] - 1)),
+            "d2t and t2d disagree",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_tensors(
+                p, lambda t: (t.pop("t2d"), t["d2t"].__setitem__(1, t["d2t"][0] - 1))
+            ),
+            r"draft_to_target\[1\] = \d+: .*repeats",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_tensors(p, lambda t: (t.pop("t2d"), t.pop("d2t"))),
+            "there is no d2t or t2d: the draft-to-target map is missing",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(p, lambda c: c.pop("norm_before_residual")),
+            r"missing key\(s\) norm_before_residual: speculators and vLLM default them differently",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(p, lambda c: c.update(fc_norm=True, norm_before_fc=True)),
+            "exclusive",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(p, lambda c: c.update(medusa_heads=3, extra=1)),
+            r"unknown key\(s\) extra, medusa_heads for eagle3",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(
+                p, lambda c: c["transformer_layer_config"].update(partial_rotary_factor=0.5)
+            ),
+            r"transformer_layer_config.unknown key\(s\) partial_rotary_factor",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(
+                p, lambda c: c["transformer_layer_config"].update(model_type="gemma")
+            ),
+            "model_type = 'gemma': expected 'llama' or 'qwen3'",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(
+                p, lambda c: c["transformer_layer_config"].update(hidden_act="gelu")
+            ),
+            r"layers\[0\].hidden_act = 'gelu'",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(p, lambda c: c.update(speculators_model_type="mtp")),
+            "speculators_model_type = 'mtp'",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_tensors(p, lambda t: t.update(extra=np.zeros(2, np.float32))),
+            r"unexpected tensor\(s\) extra",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_tensors(p, lambda t: t.pop("fc.weight")),
+            r"missing tensor\(s\) fc.weight",
+        ),
+    ],
+)
+def test_bad_checkpoints_are_refused_with_one_line(saved, spec, damage, message):
+    path = saved(spec)
+    damage(path)
+    with pytest.raises(DrafterError, match=message) as info:
+        speculators.read(path)
+    assert "\n" not in str(info.value)
+
+
+def test_taps_can_be_supplied_when_missing(saved):
+    path = saved(DFLASH)
+    edit_config(path, lambda c: c.pop("aux_hidden_state_layer_ids"))
+    assert speculators.read(path, taps=[1, 2, 3]).spec.taps.layer_ids == (1, 2, 3)
+
+
+def test_missing_layer_keys_take_the_hugging_face_defaults(saved):
+    path = saved(EAGLE)
+
+    def strip(config):
+        layer = config["transformer_layer_config"]
+        for key in (
+            "rms_norm_eps",
+            "attention_bias",
+            "mlp_bias",
+            "hidden_act",
+            "layer_types",
+            "sliding_window",
+        ):
+            layer.pop(key)
+        layer["rope_theta"] = layer.pop("rope_parameters")["rope_theta"]
+
+    edit_config(path, strip)
+    layer = speculators.read(path).spec.layers[0]
+    assert (layer.rms_norm_eps, layer.attention_bias, layer.mlp_bias, layer.sliding_window) == (
+        1e-6,
+        False,
+        False,
+        None,
+    )
+    edit_config(path, lambda c: c["transformer_layer_config"].pop("head_dim"))
+    assert speculators.read(path).spec.layers[0].head_dim == 32 // 4  # llama: hidden / heads
+
+
+def test_sharded_checkpoints_are_read(saved):
+    path = saved(EAGLE)
+    tensors, metadata = read_safetensors(path / "model.safetensors")
+    names = sorted(tensors)
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, part in halves.items():
+        write_safetensors(path / file, {n: np.array(tensors[n]) for n in part}, metadata)
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}})
+    )
+    assert_same_drafter(speculators.read(path), load_drafter(path))
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            dataclasses.replace(EAGLE, fusion=dataclasses.replace(EAGLE.fusion, fc_bias=True)),
+            "cannot hold fusion.fc_bias",
+        ),
+        (tiny_spec("dflash", style="llama"), "runs dflash layers as qwen3 layers"),
+        (
+            tiny_spec("dflash", style="qwen3", tap_norm="per_tap"),
+            "cannot hold fusion.tap_norm = 'per_tap'",
+        ),
+    ],
+)
+def test_writer_refuses_what_the_format_cannot_hold(tmp_path, spec, message):
+    with pytest.raises(DrafterError, match=message):
+        speculators.write(random_drafter(spec), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_writer_refuses_mixed_in_block_causality(tmp_path):
+    spec = tiny_spec("dflash", style="qwen3", num_layers=2)
+    layers = (
+        dataclasses.replace(spec.layers[0], attention="block_causal", sliding_window=8),
+        dataclasses.replace(spec.layers[1], attention="block_bidirectional", sliding_window=8),
+    )
+    with pytest.raises(DrafterError, match="one sliding_window_non_causal switch"):
+        speculators.write(random_drafter(dataclasses.replace(spec, layers=layers)), tmp_path / "o")
+
+
+def make_target(path: Path, spec, tie: bool) -> dict:
+    """A Hugging Face-style target directory: config.json and model.safetensors."""
+    path.mkdir()
+    rng = np.random.default_rng(5)
+    vocab, hidden = spec.target.vocab_size, spec.target.hidden_size
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32)}
+    if not tie:
+        tensors["lm_head.weight"] = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    write_safetensors(path / "model.safetensors", tensors)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": 6,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    return code, *capsys.readouterr()
+
+
+def test_convert_round_trip_is_bit_identical(saved, tmp_path, capsys):
+    for spec in (
+        EAGLE,
+        tiny_spec("dspark", style="qwen3", draft_vocab_size=70, markov_head_type="gated"),
+    ):
+        source = saved(spec, f"src-{spec.algorithm.name}")
+        native, back = tmp_path / f"n-{spec.algorithm.name}", tmp_path / f"b-{spec.algorithm.name}"
+        assert run(["convert", str(source), str(native), "--to", "woodcock"], capsys)[0] == 0
+        assert run(["convert", str(native), str(back), "--to", "speculators"], capsys)[0] == 0
+        assert (source / "model.safetensors").read_bytes() == (
+            back / "model.safetensors"
+        ).read_bytes()
+        assert json.loads((source / "config.json").read_text()) == json.loads(
+            (back / "config.json").read_text()
+        )
+        code, _, err = run(["convert", str(native), str(back), "--to", "speculators"], capsys)
+        assert code == 2 and "already exists; pass --force" in err
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_convert_with_target_fills_shared_tensors(saved, tmp_path, capsys, tie):
+    spec = tiny_spec("dflash", style="qwen3", draft_vocab_size=50)
+    source = saved(spec)
+    target = make_target(tmp_path / "target", spec, tie)
+    out = tmp_path / "out"
+    code, _, err = run(
+        [
+            "convert",
+            str(source),
+            str(out),
+            "--to",
+            "woodcock",
+            "--target",
+            str(tmp_path / "target"),
+            "--dtype",
+            "bfloat16",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    drafter = load_drafter(out)
+    assert drafter.spec.head.embedding == drafter.spec.head.lm_head == "own"
+    assert drafter.spec.target.num_hidden_layers == 6
+    head = target["model.embed_tokens.weight" if tie else "lm_head.weight"]
+    expected = head[drafter.vocab.draft_to_target].astype(drafter.weights["lm_head.weight"].dtype)
+    assert drafter.weights["lm_head.weight"].tobytes() == expected.tobytes()
+    assert set(drafter.weights.dtypes) == {"BF16"}
+
+
+def test_convert_with_target_checks_the_taps(saved, tmp_path, capsys):
+    spec = without_layer_count(DFLASH)
+    spec = dataclasses.replace(spec, taps=dataclasses.replace(spec.taps, layer_ids=(1, 7)))
+    source = saved(spec)
+    make_target(tmp_path / "target", spec, True)
+    code, _, err = run(
+        [
+            "convert",
+            str(source),
+            str(tmp_path / "o"),
+            "--to",
+            "woodcock",
+            "--target",
+            str(tmp_path / "target"),
+        ],
+        capsys,
+    )
+    assert code == 2
+    assert "taps.layer_ids[1] = 7: expected an id in [0, 6]" in err
