@@ -643,11 +643,12 @@ def _layer_config(spec: DrafterSpec) -> dict[str, Any]:
         "attention_bias": first.attention_bias,
         "tie_word_embeddings": False,
         "rope_parameters": rope,
-        "layer_types": layer_types,
-        "sliding_window": next(iter(windows)) if windows else None,
     }
+    # LlamaConfig has no window keys of its own: speculators adds them only for sliding layers.
+    if first.style == "qwen3" or windows:
+        config["layer_types"] = layer_types
+        config["sliding_window"] = next(iter(windows)) if windows else None
+        config["use_sliding_window"] = bool(windows)
     if first.style == "llama":
         config["mlp_bias"] = first.mlp_bias
-    else:
-        config["use_sliding_window"] = bool(windows)
     return config

@@ -38,7 +38,7 @@ def algorithms(draw, vocab_size):
         markov_head_type=draw(st.sampled_from(["vanilla", "gated", "rnn"])),
         markov_rank=rank,
         confidence_head=confidence,
-        confidence_head_with_markov=confidence and rank > 0 and draw(st.booleans()),
+        confidence_head_with_markov=(rank > 0 or not confidence) and draw(st.booleans()),
     )
 
 

@@ -166,10 +166,6 @@ BLOCK = tiny_spec("dflash")
             lambda: tiny_spec("dspark", markov_rank=0),
             "confidence_head_with_markov = True: expected false when markov_rank is 0",
         ),
-        (
-            lambda: tiny_spec("dspark", confidence_head=False),
-            "confidence_head_with_markov = True: expected false when confidence_head is false",
-        ),
         (lambda: tiny_spec("dspark", markov_head_type="lstm"), "markov_head_type = 'lstm'"),
         (
             lambda: dataclasses.replace(

@@ -22,7 +22,10 @@ def test_hugging_face_ids_resolve_from_the_local_cache_offline(tmp_path, monkeyp
     save_drafter(drafter, snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(snapshot.name)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants
+
+    # huggingface_hub reads HF_HUB_CACHE once, when first imported
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
     assert resolve_source("acme/tiny-eagle") == snapshot
     assert_same_drafter(load_drafter("acme/tiny-eagle"), drafter)

@@ -229,7 +229,7 @@ def test_missing_layer_keys_take_the_hugging_face_defaults(saved):
             "layer_types",
             "sliding_window",
         ):
-            layer.pop(key)
+            layer.pop(key, None)
         layer["rope_theta"] = layer.pop("rope_parameters")["rope_theta"]
 
     edit_config(path, strip)

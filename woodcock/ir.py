@@ -371,7 +371,8 @@ class DFlash(Validated):
 @dataclass(frozen=True)
 class DSpark(DFlash):
     """DSpark: DFlash plus a Markov head (bias from the previous token, rank markov_rank; 0 = off)
-    and an optional confidence head (per-slot acceptance estimate)."""
+    and an optional confidence head (per-slot acceptance estimate), whose input includes the
+    Markov features when confidence_head_with_markov (kept as stored, inert without the head)."""
 
     name: ClassVar[str] = "dspark"
     markov_head_type: Literal["vanilla", "gated", "rnn"]
@@ -383,9 +384,7 @@ class DSpark(DFlash):
         super().validate()
         if self.markov_rank < 0:
             _fail("markov_rank", self.markov_rank, "0 (no Markov head) or a positive rank")
-        if self.confidence_head_with_markov and not self.confidence_head:
-            _fail("confidence_head_with_markov", True, "false when confidence_head is false")
-        if self.confidence_head_with_markov and self.markov_rank == 0:
+        if self.confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             _fail("confidence_head_with_markov", True, "false when markov_rank is 0")
 
 
