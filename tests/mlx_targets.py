@@ -1,0 +1,53 @@
+"""Tiny random mlx-lm targets built from config dicts (no files, no network)."""
+
+import importlib
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+CONFIGS = {
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 96,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 96,
+        "max_position_embeddings": 512,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def tiny_target(model_type: str = "qwen3", seed: int = 0, scale: float = 1.0, **overrides):
+    """A random fp32 model. `scale` multiplies every weight matrix by a seeded random factor
+    around it, so the logits are spread out rather than near-uniform."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = {**CONFIGS[model_type], **overrides}
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    params = tree_map(
+        lambda p: mx.random.normal(p.shape) * scale * (p.ndim > 1) + (p.ndim == 1),
+        model.parameters(),
+    )
+    model.update(params)
+    mx.eval(model.parameters())
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters()))
+    return model

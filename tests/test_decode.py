@@ -1,0 +1,263 @@
+"""The speculative loop against plain mlx-lm decoding, with drafters whose behaviour the test
+controls: a scripted one (exact acceptance patterns, EOS and max-tokens inside accepted runs)
+and a random Markov one whose distribution q is far from the target's p (sampling exactness)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_targets import tiny_target
+
+from woodcock.errors import DrafterError
+from woodcock.runtime.decode import Stats, generate_tokens, speculative_generate_step
+from woodcock.runtime.sampling import Sampling
+from woodcock.runtime.target import MlxTarget
+
+PROMPTS = [[1, 2, 3], [7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [5, 9, 5, 9, 5]]
+
+
+class ScriptedDrafter:
+    """Proposes the continuation of `script` (the target's own greedy output after the prompt),
+    wrong wherever `wrong(position)` says; positions count generated tokens."""
+
+    def __init__(self, script, vocab, wrong=lambda position: False):
+        self.script, self.vocab, self.wrong = script, vocab, wrong
+        self.head_target_ids = mx.arange(vocab)
+        self.taps_seen = []
+
+    def reset(self):
+        self.rows = 0
+
+    def add_context(self, tokens, taps):
+        assert tokens.shape[0] == taps.shape[0]
+        self.taps_seen.append(taps.shape)
+        self.rows += tokens.shape[0]
+
+    def propose(self, k, sampler):
+        tokens = []
+        for j in range(k):
+            position = self.rows - self.prompt_rows + j + 2  # generated so far: rows - P + 1
+            token = self.script[position] if position < len(self.script) else 0
+            tokens.append((token + 1) % self.vocab if self.wrong(position) else token)
+        logits = mx.zeros((k, self.vocab))
+        return mx.array(tokens, mx.int32), logits
+
+    def start(self, prompt):
+        self.prompt_rows = len(prompt)  # rows after the first add_context: x_1..x_P + anchor
+        return self
+
+
+class MarkovDrafter:
+    """q(next | previous draft token) from a fixed random table: a drafter that disagrees with
+    the target a lot, sampled exactly as the loop asks."""
+
+    def __init__(self, vocab, seed=0, scale=3.0, head_ids=None):
+        rng = np.random.default_rng(seed)
+        self.head_ids = np.arange(vocab) if head_ids is None else np.asarray(head_ids)
+        self.head_target_ids = mx.array(self.head_ids, mx.int32)
+        self.table = mx.array(rng.standard_normal((vocab, len(self.head_ids))) * scale, mx.float32)
+
+    def reset(self):
+        self.last = None
+
+    def add_context(self, tokens, taps):
+        self.last = tokens[-1]
+
+    def propose(self, k, sampler):
+        tokens, logits, last = [], [], self.last
+        for _ in range(k):
+            row = self.table[last]
+            last = self.head_target_ids[sampler(row)]
+            tokens.append(last)
+            logits.append(row)
+        return mx.stack(tokens).astype(mx.int32), mx.stack(logits)
+
+
+def baseline(model, prompt, max_tokens, eos=(), sampler=None):
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler):
+        if token in eos:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request):
+    return tiny_target(request.param, scale=0.5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(
+    "pattern",
+    [lambda p: False, lambda p: p % 3 == 0, lambda p: p % 4 == 1, lambda p: True],
+    ids=["all-right", "every-third-wrong", "first-of-four-wrong", "all-wrong"],
+)
+def test_greedy_output_is_the_targets_own(model, k, pattern):
+    target = MlxTarget(model, [0, 2, 4])
+    for prompt in PROMPTS:
+        expected = baseline(model, prompt, 40)
+        drafter = ScriptedDrafter([None] + expected, 96, pattern).start(prompt)
+        stats = Stats()
+        got = generate_tokens(prompt, target, drafter, max_tokens=40, num_draft=k, stats=stats)
+        assert got == expected
+        if pattern(1) is False and pattern(2) is False and pattern(3) is False:
+            assert stats.accepted[0] == k  # a right script is accepted whole
+        if pattern(0) and pattern(1) and pattern(2):
+            assert sum(stats.accepted) == 0
+
+
+def test_eos_and_max_tokens_inside_an_accepted_run(model):
+    target = MlxTarget(model, [1, 3])
+    prompt = PROMPTS[0]
+    expected = baseline(model, prompt, 30)
+    drafter = ScriptedDrafter([None] + expected, 96).start(prompt)
+    # with k = 5, tokens 7..11 are the second round's accepted drafts: an EOS among them
+    eos_at = next(i for i in range(7, 12) if expected[i] not in expected[:i])
+    eos = expected[eos_at]
+    stats = Stats()
+    got = generate_tokens(
+        prompt, target, drafter, max_tokens=30, num_draft=5, eos_ids=[eos], stats=stats
+    )
+    assert got == baseline(model, prompt, 30, eos=[eos]) == expected[: expected.index(eos)]
+    assert stats.accepted[:2] == [5, 5]
+    for limit in (1, 4, 7, 12):
+        drafter = ScriptedDrafter([None] + expected, 96).start(prompt)
+        assert (
+            generate_tokens(prompt, target, drafter, max_tokens=limit, num_draft=5)
+            == expected[:limit]
+        )
+
+
+def test_drafter_context_is_the_verified_rows(model):
+    target = MlxTarget(model, [0, 2, 4])
+    prompt = PROMPTS[2]
+    expected = baseline(model, prompt, 12)
+    drafter = ScriptedDrafter([None] + expected, 96, lambda p: p % 4 == 2).start(prompt)
+    stats = Stats()
+    generate_tokens(prompt, target, drafter, max_tokens=12, num_draft=4, stats=stats)
+    # prefill: one row per prompt token; then one row per accepted draft plus the new anchor
+    assert drafter.taps_seen[0] == (len(prompt), 3 * 64)
+    assert [shape[0] for shape in drafter.taps_seen[1:]] == [m + 1 for m in stats.accepted][
+        : len(drafter.taps_seen) - 1
+    ]
+    assert target.offset == len(prompt) + sum(m + 1 for m in stats.accepted)
+
+
+def test_greedy_with_a_random_drafter_and_a_reduced_head(model):
+    target = MlxTarget(model, [4])
+    for prompt in PROMPTS:
+        drafter = MarkovDrafter(96, seed=3, head_ids=np.arange(0, 96, 3))
+        assert generate_tokens(prompt, target, drafter, max_tokens=25, num_draft=3) == baseline(
+            model, prompt, 25
+        )
+
+
+def test_untrimmable_targets_and_bad_taps_are_refused(model):
+    with pytest.raises(DrafterError, match=r"tap ids \[2, 9\] must be ascending ids in \[0, 4\]"):
+        MlxTarget(model, [2, 9])
+    original = model.make_cache if hasattr(model, "make_cache") else None
+    from mlx_lm.models.cache import ArraysCache
+
+    model.make_cache = lambda: [ArraysCache(1) for _ in model.layers]
+    try:
+        with pytest.raises(DrafterError, match=r"KV cache \(ArraysCache\) cannot be rolled back"):
+            MlxTarget(model, [1])
+    finally:
+        if original is None:
+            del model.make_cache
+        else:
+            model.make_cache = original
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling: the emitted tokens are distributed as the target's own samples
+
+
+def chi_square_exceeds(counts: np.ndarray, probs: np.ndarray, z: float = 3.7) -> bool:
+    """Pearson's test at about p = 1e-4 (Wilson-Hilferty critical value); cells with an expected
+    count under 5 are pooled."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    df = len(expected) - 1
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return statistic > critical
+
+
+def exact_two_token_marginals(model, prompt, sampling):
+    """P(first token), P(second token) of plain sampling, computed from the target's logits."""
+    logits = model(mx.array([prompt]))[0, -1]
+    first = np.array(sampling.probabilities(logits))
+    batch = mx.array([prompt + [t] for t in range(len(first))])
+    second = np.array(sampling.probabilities(model(batch)[:, -1]))
+    return first, first @ second
+
+
+SAMPLINGS = [
+    Sampling(temperature=1.0),
+    Sampling(temperature=0.6),
+    Sampling(temperature=1.3, top_p=0.8),
+    Sampling(temperature=1.0, top_k=4),
+]
+
+
+@pytest.mark.parametrize(
+    "sampling", SAMPLINGS, ids=lambda s: f"t{s.temperature}-p{s.top_p}-k{s.top_k}"
+)
+def test_sampling_reproduces_the_target_distribution(sampling):
+    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    target = MlxTarget(model, [2])
+    prompt = [3, 1]
+    first_p, second_p = exact_two_token_marginals(model, prompt, sampling)
+    runs = 1500
+    first, second = np.zeros(12), np.zeros(12)
+    for seed in range(runs):
+        mx.random.seed(seed)
+        drafter = MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11])
+        tokens = generate_tokens(
+            prompt, target, drafter, max_tokens=2, num_draft=3, sampling=sampling
+        )
+        first[tokens[0]] += 1
+        second[tokens[1]] += 1
+    assert not chi_square_exceeds(first, first_p)
+    assert not chi_square_exceeds(second, second_p)
+    # the same test catches sampling from the drafter instead of the target
+    drafter_q = np.array(sampling.probabilities(MarkovDrafter(12, seed=11).table[prompt[-1]]))
+    assert chi_square_exceeds(first, drafter_q) or np.allclose(drafter_q, first_p, atol=0.05)
+
+
+def test_mlx_lm_samples_the_distribution_we_compute():
+    """Our p is mlx-lm's sampler's: its own samples pass the same test."""
+    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    prompt = [3, 1]
+    for sampling in SAMPLINGS:
+        first_p, _ = exact_two_token_marginals(model, prompt, sampling)
+        sampler = make_sampler(
+            temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+        )
+        mx.random.seed(0)
+        counts = np.zeros(12)
+        logits = model(mx.array([prompt]))[:, -1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for _ in range(1500):
+            counts[sampler(logprobs).item()] += 1
+        assert not chi_square_exceeds(counts, first_p)
+
+
+def test_speculative_generate_step_reports_draft_provenance(model):
+    target = MlxTarget(model, [0, 2, 4])
+    prompt = PROMPTS[0]
+    expected = baseline(model, prompt, 10)
+    drafter = ScriptedDrafter([None] + expected, 96, lambda p: p == 3).start(prompt)
+    steps = speculative_generate_step(prompt, target, drafter, num_draft=4)
+    provenance = [from_draft for (_, from_draft), _ in zip(steps, range(10))]
+    # first token from the prefill; round 1 accepts drafts 2 (position 3 is wrong): 1 + 1 target
+    assert provenance[:5] == [False, True, False, True, True]

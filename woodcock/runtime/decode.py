@@ -1,0 +1,145 @@
+"""The speculative decoding loop: draft K tokens, verify them in one target forward, keep the
+longest acceptable prefix plus one target token, roll both caches back.
+
+Invariant between rounds: the target's KV cache holds every emitted token except the last one
+(the anchor); the anchor and the drafts are verified together, so the verified rows' hidden
+states are exactly the drafter's next context.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from woodcock.runtime.sampling import Sampling, accept_drafts
+from woodcock.runtime.target import MlxTarget
+
+PREFILL_CHUNK = 512
+
+
+class Drafter(Protocol):
+    head_target_ids: mx.array  # [Vh] target id of each draft-head row
+
+    def reset(self) -> None: ...
+
+    def add_context(self, tokens: mx.array, taps: mx.array) -> None: ...
+
+    def propose(self, k: int, sampler) -> tuple[mx.array, mx.array]: ...
+
+
+@dataclass
+class Stats:
+    """Per-round counts and timings of one generation."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    drafted: list[int] = field(default_factory=list)  # K of each round
+    accepted: list[int] = field(default_factory=list)  # accepted drafts of each round
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """Share of rounds whose draft at position i (0-based) was accepted, among rounds that
+        drafted that far."""
+        longest = max(self.drafted, default=0)
+        rates = []
+        for i in range(longest):
+            tried = sum(1 for k in self.drafted if k > i)
+            rates.append(sum(1 for m in self.accepted if m > i) / tried)
+        return rates
+
+
+def speculative_generate_step(
+    prompt: Sequence[int],
+    target: MlxTarget,
+    drafter: Drafter,
+    *,
+    num_draft: int,
+    sampling: Sampling = Sampling(),
+    stats: Stats | None = None,
+) -> Iterator[tuple[int, bool]]:
+    """Yields (token, from_draft) forever; the caller stops at EOS or a length limit."""
+    stats = stats if stats is not None else Stats()
+    target.reset()
+    drafter.reset()
+    start = time.perf_counter()
+    logits, taps = _prefill(target, mx.array(prompt))  # [V], [P, A*Ht]
+    anchor = sampling.sample(logits)
+    drafter.add_context(mx.concatenate([mx.array(prompt[1:], mx.int32), anchor[None]]), taps)
+    mx.eval(anchor)
+    stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
+    yield anchor.item(), False
+    while True:
+        k = num_draft
+        start = time.perf_counter()
+        drafts, draft_logits = drafter.propose(k, sampling.sample)  # [k], [k, Vh]
+        mx.eval(drafts, draft_logits)
+        drafted = time.perf_counter()
+        logits, taps = target.forward(mx.concatenate([anchor[None].astype(drafts.dtype), drafts]))
+        if sampling.greedy:  # logits [k+1, V]
+            choice = mx.argmax(logits, axis=-1)
+            m = mx.argmax(mx.concatenate([drafts != choice[:k], mx.array([True])]))
+            bonus = choice[m]
+        else:
+            q = mx.zeros((k, logits.shape[-1]))
+            q[:, drafter.head_target_ids] = sampling.probabilities(draft_logits)
+            m, bonus = accept_drafts(drafts, q, sampling.probabilities(logits))
+        mx.eval(m, bonus, taps)
+        m = m.item()
+        target.rollback(k - m)
+        drafter.add_context(
+            mx.concatenate([drafts[:m], bonus[None].astype(drafts.dtype)]), taps[: m + 1]
+        )
+        stats.drafted.append(k)
+        stats.accepted.append(m)
+        stats.draft_seconds += drafted - start
+        stats.verify_seconds += time.perf_counter() - drafted
+        for token in drafts[:m].tolist():
+            yield token, True
+        anchor = bonus
+        yield bonus.item(), False
+
+
+def _prefill(target: MlxTarget, prompt: mx.array) -> tuple[mx.array, mx.array]:
+    """Run the prompt through the target in chunks: (last logits [V], taps [P, A*Ht])."""
+    taps = []
+    for start in range(0, prompt.shape[0], PREFILL_CHUNK):
+        logits, chunk_taps = target.forward(prompt[start : start + PREFILL_CHUNK])
+        mx.eval(logits, chunk_taps)
+        taps.append(chunk_taps)
+    return logits[-1], mx.concatenate(taps, axis=0)
+
+
+def generate_tokens(
+    prompt: Sequence[int],
+    target: MlxTarget,
+    drafter: Drafter,
+    *,
+    max_tokens: int,
+    num_draft: int,
+    sampling: Sampling = Sampling(),
+    eos_ids: Sequence[int] = (),
+    stats: Stats | None = None,
+) -> list[int]:
+    """Tokens as plain decoding would emit them: stop before an EOS token or at max_tokens."""
+    out: list[int] = []
+    steps = speculative_generate_step(
+        prompt, target, drafter, num_draft=num_draft, sampling=sampling, stats=stats
+    )
+    for token, _ in steps:
+        if token in eos_ids or len(out) == max_tokens:
+            break
+        out.append(token)
+    return out

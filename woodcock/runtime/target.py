@@ -1,0 +1,153 @@
+"""Any mlx-lm model as a speculative-decoding target: one forward returns the logits and the
+tapped hidden states, on the model's own modules and KV cache; rejected tokens are rolled back
+with the cache API. mlx-lm is not modified: for the length of a forward the entries of the
+model's layer list are swapped for recorders that call the real layer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from woodcock.errors import DrafterError
+from woodcock.ir import DrafterSpec
+
+
+class _Recorder:
+    """Stands in for one decoder layer during a forward: calls it, keeps its input and/or output.
+    Attribute reads go to the layer (mlx-lm reads e.g. `use_sliding` off its layers)."""
+
+    def __init__(self, layer, keep_input: bool, keep_output: bool):
+        self.layer, self.keep_input, self.keep_output = layer, keep_input, keep_output
+        self.input = self.output = None
+
+    def __call__(self, x, *args, **kwargs):
+        if self.keep_input:
+            self.input = x
+        out = self.layer(x, *args, **kwargs)
+        if self.keep_output:
+            self.output = out
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+class MlxTarget:
+    """model: an mlx-lm model (`mlx_lm.load`), layer_ids: canonical tap ids (residual stream after
+    L decoder layers; L = 0 the embedding output, L = N the last layer's output before the final
+    norm)."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], name: str = "target"):
+        self.model, self.name = model, name
+        self.layers = model.layers  # the model's own list: entries are swapped in place
+        self.num_layers = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
+        if bad or list(layer_ids) != sorted(set(layer_ids)):
+            raise DrafterError(
+                f"{name}: tap ids {list(layer_ids)} must be ascending ids in [0,"
+                f" {self.num_layers}] (the target has {self.num_layers} layers)"
+            )
+        self.layer_ids = tuple(layer_ids)
+        self.cache = make_prompt_cache(model)
+        if not can_trim_prompt_cache(self.cache):
+            kinds = sorted({type(c).__name__ for c in self.cache})
+            raise DrafterError(
+                f"{name}: its KV cache ({', '.join(kinds)}) cannot be rolled back, and"
+                " speculative decoding must drop rejected tokens"
+            )
+
+    @property
+    def offset(self) -> int:
+        """Tokens in the KV cache."""
+        return self.cache[0].offset
+
+    def reset(self) -> None:
+        self.cache = make_prompt_cache(self.model)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[list[_Recorder]]:
+        wanted = set(self.layer_ids)
+        originals = list(self.layers)
+        recorders = [
+            _Recorder(layer, keep_input=(i == 0 and 0 in wanted), keep_output=(i + 1) in wanted)
+            for i, layer in enumerate(originals)
+        ]
+        self.layers[:] = recorders
+        try:
+            yield recorders
+        finally:
+            self.layers[:] = originals
+
+    def forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """tokens [T] after the cached ones -> (logits [T, V], taps [T, A*Ht], ascending ids).
+        Lazy: nothing is evaluated here."""
+        with self._recording() as recorders:
+            logits = self.model(tokens[None], cache=self.cache)
+        states = [recorders[0].input if i == 0 else recorders[i - 1].output for i in self.layer_ids]
+        return logits[0], mx.concatenate([s[0] for s in states], axis=-1)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and trim_prompt_cache(self.cache, num_tokens) != num_tokens:
+            raise DrafterError(
+                f"{self.name}: its KV cache refused to drop {num_tokens} tokens (a rotating"
+                " cache that has wrapped around cannot roll back)"
+            )
+
+    # -- what a drafter takes from its target ----------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._embedding().shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._embedding().shape[0])
+
+    def _embedding(self) -> mx.array:
+        embed = self.model.model.embed_tokens
+        if hasattr(embed, "scales"):  # quantized
+            return mx.dequantize(
+                embed.weight, embed.scales, embed.biases, embed.group_size, embed.bits
+            )
+        return embed.weight
+
+    def shared_tensors(self) -> dict[str, np.ndarray]:
+        """{"embed_tokens.weight", "lm_head.weight"} [V, Ht] as numpy (the head is the embedding
+        when the target ties them)."""
+        embedding = self._embedding()
+        head = embedding
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is not None:
+            head = lm_head.weight
+            if hasattr(lm_head, "scales"):
+                head = mx.dequantize(
+                    lm_head.weight, lm_head.scales, lm_head.biases, lm_head.group_size, lm_head.bits
+                )
+        return {
+            "embed_tokens.weight": np.array(embedding.astype(mx.float32)),
+            "lm_head.weight": np.array(head.astype(mx.float32)),
+        }
+
+    def check_fits(self, spec: DrafterSpec) -> None:
+        """Refuse a drafter built for another target shape before any token is generated."""
+        facts = (
+            ("vocab size", spec.target.vocab_size, self.vocab_size),
+            ("hidden size", spec.target.hidden_size, self.hidden_size),
+        )
+        for what, drafter_value, target_value in facts:
+            if drafter_value != target_value:
+                raise DrafterError(
+                    f"the drafter was built for a target {what} of {drafter_value}; {self.name}"
+                    f" has {target_value}"
+                )
+        layers = spec.target.num_hidden_layers
+        if layers is not None and layers != self.num_layers:
+            raise DrafterError(
+                f"the drafter was built for a target with {layers} layers; {self.name} has"
+                f" {self.num_layers}"
+            )
