@@ -258,6 +258,6 @@ def test_speculative_generate_step_reports_draft_provenance(model):
     expected = baseline(model, prompt, 10)
     drafter = ScriptedDrafter([None] + expected, 96, lambda p: p == 3).start(prompt)
     steps = speculative_generate_step(prompt, target, drafter, num_draft=4)
-    provenance = [from_draft for (_, from_draft), _ in zip(steps, range(10))]
+    provenance = [from_draft for (_, from_draft), _ in zip(steps, range(10), strict=False)]
     # first token from the prefill; round 1 accepts drafts 2 (position 3 is wrong): 1 + 1 target
     assert provenance[:5] == [False, True, False, True, True]

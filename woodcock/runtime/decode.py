@@ -19,6 +19,7 @@ from woodcock.runtime.sampling import Sampling, accept_drafts
 from woodcock.runtime.target import MlxTarget
 
 PREFILL_CHUNK = 512
+GREEDY = Sampling()
 
 
 class Drafter(Protocol):
@@ -67,7 +68,7 @@ def speculative_generate_step(
     drafter: Drafter,
     *,
     num_draft: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     stats: Stats | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit."""
@@ -129,7 +130,7 @@ def generate_tokens(
     *,
     max_tokens: int,
     num_draft: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     eos_ids: Sequence[int] = (),
     stats: Stats | None = None,
 ) -> list[int]:
