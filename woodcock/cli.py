@@ -119,6 +119,184 @@ def convert(
     )
 
 
+@app.command()
+def parity(
+    path: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="Target model directory or id, for the tensors the drafter shares with it"
+            " (required when it shares any).",
+        ),
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Greedy chain steps to compare.")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """Check the MLX runtime against the torch reference on random inputs (fp32): max |diff| of
+    every intermediate tensor and every step's logits, and the greedy tokens. Exit code 1 when a
+    difference exceeds the tolerance (1e-4) or the tokens differ."""
+    from woodcock.loading import load_drafter
+    from woodcock.runtime.parity import parity as run_parity
+    from woodcock.runtime.parity import render_text
+    from woodcock.target_files import load_target_tensors
+
+    drafter = load_drafter(path)
+    tensors = load_target_tensors(target) if target is not None else None
+    report = run_parity(drafter, tensors, steps=steps)
+    typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
+def _parse_policy(text: str) -> int:
+    kind, _, value = text.partition(":")
+    if kind == "fixed" and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise DrafterError(f"--policy {text!r}: expected fixed:K with K >= 1")
+
+
+@app.command()
+def generate(
+    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
+    drafter: Annotated[
+        str,
+        typer.Option(
+            "--drafter",
+            help="Drafter directory or id; PATH@N keeps the N most frequent tokens' head rows"
+            " (by the drafter's token counts), PATH@COUNTS:N by a vocab_counts.npz.",
+        ),
+    ],
+    prompt: Annotated[
+        str | None, typer.Option("--prompt", help="Prompt text ('-': stdin).")
+    ] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", help="Read the prompt from a file.")
+    ] = None,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the chat template.")] = True,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt (chat).")] = None,
+    policy: Annotated[str, typer.Option("--policy", help="Draft length: fixed:K.")] = "fixed:4",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
+    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object at the end.")
+    ] = False,
+) -> None:
+    """Generate with speculative decoding: greedy output is token for token the target's own;
+    sampling follows the target's distribution exactly."""
+    import mlx.core as mx
+
+    from woodcock.runtime.generate import encode_prompt
+    from woodcock.runtime.generate import generate as run_generate
+    from woodcock.runtime.sampling import Sampling
+    from woodcock.runtime.session import open_session
+
+    if (prompt is None) == (prompt_file is None):
+        raise DrafterError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise DrafterError(f"{prompt_file}: cannot be read ({e.strerror})") from None
+    else:
+        text = sys.stdin.read() if prompt == "-" else prompt
+    num_draft = _parse_policy(policy)
+    sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    if seed is not None:
+        mx.random.seed(seed)
+    session = open_session(target, drafter, dtype=dtype)
+    ids = encode_prompt(session.tokenizer, text, chat=chat, system=system)
+
+    def show(segment: str) -> None:
+        print(segment, end="", flush=True)
+
+    result = run_generate(
+        session,
+        ids,
+        max_tokens=max_tokens,
+        num_draft=num_draft,
+        sampling=sampling,
+        stop=stop or (),
+        on_text=None if as_json else show,
+    )
+    stats = result.stats
+    report = {
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "prompt_tps": result.prompt_tps,
+        "generation_tokens": len(result.tokens),
+        "generation_tps": result.generation_tps,
+        "rounds": stats.rounds,
+        "tokens_per_round": stats.tokens_per_round,
+        "acceptance_by_position": stats.acceptance_by_position(),
+        "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds,
+        "peak_memory_gb": result.peak_memory_gb,
+    }
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    acceptance = " ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
+    typer.echo(
+        "\n"
+        + "=" * 10
+        + f"\nprompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens-per-sec"
+        f"\ngeneration: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens-per-sec"
+        f"\ntokens per round: {stats.tokens_per_round:.2f} over {stats.rounds} rounds"
+        f" (draft {stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s)"
+        f"\nacceptance by position: {acceptance}"
+        f"\npeak memory: {result.peak_memory_gb:.3f} GB"
+    )
+
+
+@app.command()
+def demo(
+    dest: Annotated[Path, typer.Argument(help="Directory to create (target/ and drafter/).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+) -> None:
+    """Build a tiny offline target (an mlx-lm model with a tokenizer) and a hand-written EAGLE-3
+    drafter that mostly agrees with it, to try `woodcock generate` without any download."""
+    from woodcock.demo import bigram_drafter, write_tiny_target
+    from woodcock.formats import woodcock as native
+    from woodcock.staging import staged_directory
+
+    with staged_directory(dest, force=force) as out:
+        write_tiny_target(out / "target")
+        drafter = bigram_drafter(out / "target")
+        # the drafter records where its target lives once the directory has its final name
+        drafter = _retarget(drafter, str(Path(dest).resolve() / "target"))
+        native.write(drafter, out / "drafter")
+    typer.echo(
+        f"wrote {dest}/target (mlx-lm model) and {dest}/drafter (EAGLE-3, woodcock format); try:\n"
+        f"  woodcock generate --target {dest}/target --drafter {dest}/drafter"
+        ' --prompt "The quick brown" --no-chat'
+    )
+
+
+def _retarget(drafter, name_or_path: str):
+    import dataclasses
+
+    from woodcock.ir import Drafter
+
+    spec = drafter.spec
+    spec = dataclasses.replace(
+        spec, target=dataclasses.replace(spec.target, name_or_path=name_or_path)
+    )
+    return Drafter(spec, drafter.vocab, drafter.weights)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="woodcock")

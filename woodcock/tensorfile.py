@@ -80,6 +80,8 @@ def _check_entries(path: Path, header: dict, data_len: int) -> None:
     spans = []
     for name, entry in header.items():
         if name == "__metadata__":
+            if entry is None:  # MLX writes null; the reference reader accepts it
+                continue
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 raise DrafterError(f"{path}: __metadata__ must map strings to strings")
             continue
@@ -131,7 +133,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
     """Tensors as read-only views of a memory map (nothing is copied), and the file's metadata."""
     path = Path(path)
     data_start, header = read_header(path)
-    metadata = header.pop("__metadata__", {})
+    metadata = header.pop("__metadata__", None) or {}
     if os.path.getsize(path) == data_start:
         return {name: _empty(entry) for name, entry in header.items()}, metadata
     with open(path, "rb") as f:

@@ -1,0 +1,108 @@
+"""Greedy and sampled decoding with real EAGLE-3 drafters on MLX: random ones (rarely right)
+and the hand-written bigram drafter of woodcock.demo (mostly right), against plain mlx-lm."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_targets import tiny_target
+
+from woodcock.demo import bigram_drafter, write_tiny_target
+from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.eagle3 import Eagle3Drafter
+from woodcock.runtime.target import MlxTarget
+from woodcock.synthetic import random_drafter, tiny_spec
+
+
+def baseline(model, prompt, max_tokens, eos=()):
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if token in eos:
+            break
+        out.append(token)
+    return out
+
+
+def random_eagle3(model, *, style, num_layers, taps, draft_vocab=None, **algorithm):
+    args = model.args
+    spec = tiny_spec(
+        "eagle3",
+        style=style,
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        target_layers=args.num_hidden_layers,
+        draft_vocab_size=draft_vocab,
+        tap_norm="per_tap",
+        **algorithm,
+    )
+    spec = dataclasses.replace(spec, taps=dataclasses.replace(spec.taps, layer_ids=taps))
+    return random_drafter(spec, seed=5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_with_random_eagle3_drafters(model_type, k):
+    model = tiny_target(model_type, scale=0.5)
+    shared = None
+    for variant, drafter in enumerate(
+        [
+            random_eagle3(model, style="llama", num_layers=1, taps=(0, 2, 4)),
+            random_eagle3(model, style="qwen3", num_layers=2, taps=(1, 4), draft_vocab=40, norm_output=True, norm_before_residual=True),
+        ]
+    ):
+        target = MlxTarget(model, drafter.spec.taps.layer_ids)
+        shared = target.shared_tensors()
+        runtime = Eagle3Drafter(drafter, shared)
+        for prompt in ([1, 2, 3], [9], list(range(20, 37))):
+            stats = Stats()
+            got = generate_tokens(prompt, target, runtime, max_tokens=24, num_draft=k, stats=stats)
+            assert got == baseline(model, prompt, 24), (variant, prompt)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    path = write_tiny_target(tmp_path_factory.mktemp("demo") / "target")
+    model, tokenizer = load(str(path))
+    return path, model, tokenizer
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_with_a_mostly_right_drafter(demo, k):
+    path, model, tokenizer = demo
+    drafter = bigram_drafter(path)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    total = Stats()
+    for text in ["The quick brown", "def add", "Paris is the", "One, two", "Small models"]:
+        prompt = tokenizer.encode(text)
+        stats = Stats()
+        expected = baseline(model, prompt, 48)
+        assert generate_tokens(prompt, target, runtime, max_tokens=48, num_draft=k, stats=stats) == expected
+        total.drafted += stats.drafted
+        total.accepted += stats.accepted
+        # EOS and max tokens landing inside accepted runs
+        for cut in (5, 11, 17):
+            eos = expected[cut]
+            if eos in expected[:cut]:
+                continue
+            got = generate_tokens(prompt, target, runtime, max_tokens=48, num_draft=k, eos_ids=[eos])
+            assert got == expected[:cut]
+            assert generate_tokens(prompt, target, runtime, max_tokens=cut, num_draft=k) == expected[:cut]
+    assert total.tokens_per_round > min(1 + 0.7 * k, 2.5)  # mostly right: long accepted runs
+    assert sum(total.accepted) < sum(total.drafted)  # but not always
+
+
+def test_truncated_head_keeps_the_output(demo):
+    path, model, tokenizer = demo
+    drafter = bigram_drafter(path)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    prompt = tokenizer.encode("The quick brown")
+    expected = baseline(model, prompt, 40)
+    for keep in (8, 64, 200):
+        head = np.sort(np.random.default_rng(keep).choice(drafter.spec.draft_vocab_size, keep, replace=False))
+        runtime = Eagle3Drafter(drafter, target.shared_tensors(), head_ids=head)
+        assert generate_tokens(prompt, target, runtime, max_tokens=40, num_draft=4) == expected

@@ -1,0 +1,88 @@
+"""`woodcock demo` and `woodcock generate` end to end on the offline demo target."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from woodcock.cli import main
+from woodcock.runtime.generate import encode_prompt
+
+
+def run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wc") / "demo"
+    try:
+        main(["demo", str(path)])
+    except SystemExit as e:
+        assert not e.code
+    return path
+
+
+def plain_text(target, prompt, max_tokens, chat):
+    model, tokenizer = load(str(target))
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_generate_streams_the_targets_text_and_reports(demo_dir, capsys, chat):
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "The quick brown", "--max-tokens", "40", "--policy", "fixed:4"]
+    code, out, err = run(args + ([] if chat else ["--no-chat"]), capsys)
+    assert code == 0, err
+    assert out.startswith(plain_text(demo_dir / "target", "The quick brown", 40, chat))
+    for label in ("prompt:", "generation:", "tokens per round:", "acceptance by position:", "peak memory:"):
+        assert label in out
+
+
+def test_generate_json_and_truncated_head(demo_dir, capsys):
+    counts = np.arange(1000, 1000 - 320, -1)  # "frequency" falls with the id
+    np.savez(demo_dir / "counts.npz", counts=counts)
+    base = ["generate", "--target", str(demo_dir / "target"), "--prompt", "Paris is", "--max-tokens", "30", "--json", "--no-chat"]
+    code, out, err = run(base + ["--drafter", str(demo_dir / "drafter")], capsys)
+    assert code == 0, err
+    full = json.loads(out)
+    code, out, err = run(base + ["--drafter", f"{demo_dir / 'drafter'}@{demo_dir / 'counts.npz'}:64"], capsys)
+    assert code == 0, err
+    truncated = json.loads(out)
+    assert truncated["text"] == full["text"] == plain_text(demo_dir / "target", "Paris is", 30, False)
+    assert full["tokens_per_round"] >= 1 and len(full["acceptance_by_position"]) == 4
+    assert set(full) >= {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "rounds", "draft_seconds", "verify_seconds", "peak_memory_gb", "finish_reason"}
+
+
+def test_generate_sampling_is_seeded(demo_dir, capsys):
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "One, two", "--max-tokens", "20", "--temp", "0.8", "--top-p", "0.9", "--seed", "3", "--json"]
+    first = json.loads(run(args, capsys)[1])["text"]
+    assert json.loads(run(args, capsys)[1])["text"] == first
+
+
+def test_a_drafter_for_another_target_is_refused(demo_dir, tmp_path, capsys):
+    from woodcock.loading import save_drafter
+    from woodcock.synthetic import random_drafter, tiny_spec
+
+    save_drafter(random_drafter(tiny_spec("eagle3", vocab_size=500, hidden_size=64)), tmp_path / "other")
+    code, out, err = run(["generate", "--target", str(demo_dir / "target"), "--drafter", str(tmp_path / "other"), "--prompt", "x"], capsys)
+    assert code == 2 and out == ""
+    assert "the drafter was built for a target vocab size of 500;" in err and "has 320" in err
+    code, _, err = run(["generate", "--target", str(demo_dir / "target"), "--drafter", f"{demo_dir / 'drafter'}@abc", "--prompt", "x"], capsys)
+    assert code == 2 and "expected PATH, PATH@N or PATH@COUNTS:N" in err

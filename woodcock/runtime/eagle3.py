@@ -1,0 +1,306 @@
+"""The EAGLE-3 chain drafter on MLX: the torch reference's function (`TorchDrafter.eagle3_forward`
+and `eagle3_draft`), shaped for a speculative decoding loop.
+
+Row convention (EAGLE-3): after `reset()`, context row t (t = 1, 2, ...) is token x_t with the
+fused target features g_{t-1} of the position before it, at position t. Every cached row sits at
+position (row index + 1): context rows are contiguous, and a round's chain rows follow the last
+one and are dropped before the next context rows arrive. A propose round runs all pending
+context rows in one forward and takes only its last row's logits; every later step runs one
+chain row. Nothing here synchronises: `propose` returns lazy arrays and the loop evaluates them
+together with the target's work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from woodcock.errors import DrafterError
+from woodcock.ir import Drafter, DrafterSpec, Eagle3
+from woodcock.runtime.layers import DecoderLayer, KVCache, RMSNorm, to_mx, transpose_linears
+
+
+class Eagle3Model(nn.Module):
+    """The drafter's modules under their canonical names. lm_head holds `head_rows` rows (all
+    draft rows, or a truncated head's)."""
+
+    def __init__(self, spec: DrafterSpec, head_rows: int):
+        super().__init__()
+        self.spec = spec
+        self.algorithm: Eagle3 = spec.algorithm
+        h, ht = spec.hidden_size, spec.target.hidden_size
+        taps = len(spec.taps.layer_ids)
+        eps = spec.layers[0].rms_norm_eps
+        if spec.fusion.tap_norm == "per_tap":
+            self.fc_norm = [RMSNorm(ht, eps) for _ in range(taps)]
+        elif spec.fusion.tap_norm == "concat":
+            self.input_norm = RMSNorm(taps * ht, eps)
+        self.fc = nn.Linear(taps * ht, h, bias=spec.fusion.fc_bias)
+        self.layers = [DecoderLayer(layer) for layer in spec.layers]
+        self.norm = RMSNorm(h, eps)
+        self.lm_head = nn.Linear(h, head_rows, bias=False)
+        self.embed_tokens = nn.Embedding(spec.target.vocab_size, h)
+
+    def fuse(self, taps: mx.array) -> mx.array:
+        """taps [n, A*Ht] (ascending layer ids) -> fused features [n, H]."""
+        x = taps.astype(self.norm.weight.dtype)
+        if self.spec.fusion.tap_norm == "per_tap":
+            chunks = mx.split(x, len(self.fc_norm), axis=-1)
+            x = mx.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        elif self.spec.fusion.tap_norm == "concat":
+            x = self.input_norm(x)
+        return self.fc(x)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        hidden: mx.array,
+        caches: list[KVCache],
+        *,
+        context_rows: int,
+        chain: bool,
+        out_rows: int | None = 1,
+        collect: list[mx.array] | None = None,
+    ) -> mx.array:
+        """n new rows after the cached ones: tokens [n] target ids, hidden [n, H] (fused features
+        or fed-back states) -> the last layer's output for the last `out_rows` rows [R, H] (None:
+        all rows). context_rows: how many cached rows are context (the rest are chain rows);
+        chain: these rows are chain rows (their window counts back from the last context row).
+        collect: receives every layer's output."""
+        rows, cached = hidden.shape[0], caches[0].offset
+        embeds = self.embed_tokens(tokens)
+        x = hidden
+        last = len(self.layers) - 1
+        keys: dict[tuple[int | None, int], tuple[int, str | mx.array | None]] = {}
+        for i, layer in enumerate(self.layers):
+            wanted = out_rows if i == last and out_rows is not None else rows
+            window = layer.config.sliding_window
+            if (window, wanted) not in keys:
+                keys[window, wanted] = visible_keys(
+                    window, cached, rows, context_rows, chain=chain, out_rows=wanted
+                )
+            key_start, mask = keys[window, wanted]
+            x, _, _ = layer(
+                x,
+                cached + 1,
+                mask,
+                cache=caches[i],
+                key_start=key_start,
+                embeds=embeds if i == 0 else None,
+                norm_before_residual=self.algorithm.norm_before_residual,
+                out_rows=wanted,
+            )
+            if collect is not None:
+                collect.append(x)
+        return x
+
+    def head(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [R, H] -> (logits [R, Vh], fed-back state [R, H])."""
+        normed = self.norm(x)
+        # norm_output (EAGLE-3.1) recurs on the normalised state, classic EAGLE-3 on the raw one.
+        return self.lm_head(normed), normed if self.algorithm.norm_output else x
+
+
+def visible_keys(
+    window: int | None, cached: int, rows: int, context: int, *, chain: bool, out_rows: int
+) -> tuple[int, str | mx.array | None]:
+    """(first key index read, mask) for the last `out_rows` of `rows` new rows after `cached`
+    rows of which the first `context` are context rows; row index i is position i + 1.
+
+    The reference's rule (`TorchDrafter._eagle3_visible`): causal in row order; a window W hides
+    context keys at positions <= query position - W for context rows, and <= (last context
+    position) - W for chain rows, whose chain keys are all visible. Both cut a prefix of the
+    keys for a single query row, so a chain step or the last context row reads a slice with no
+    mask; only several windowed context rows need a band mask."""
+    first_query = cached + rows - out_rows
+    if window is None:
+        start = 0
+    elif chain:
+        start = max(0, context - window)
+    else:
+        start = max(0, first_query - window + 1)
+    if out_rows == 1:
+        return start, None
+    if window is None or chain:
+        # Lower-right-aligned causal: query r sees keys up to first_query + r, all from start on.
+        return start, "causal"
+    query = np.arange(first_query, cached + rows)[:, None]
+    key = np.arange(start, cached + rows)[None, :]
+    return start, mx.array((key <= query) & (key > query - window))
+
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 drafter with its own KV cache, driven by `add_context` and `propose`.
+
+    target_tensors: {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} of the target
+    (`woodcock.target_files.load_target_tensors`), needed when the spec's head shares either.
+    head_ids: sorted draft-row indices the lm_head keeps (a truncated head: fewer rows, cheaper
+    steps); None keeps all rows.
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        target_tensors: Mapping[str, np.ndarray] | None = None,
+        *,
+        dtype: mx.Dtype = mx.float32,
+        head_ids: np.ndarray | None = None,
+    ):
+        spec = drafter.spec
+        if not isinstance(spec.algorithm, Eagle3):
+            raise DrafterError(f"algorithm = {spec.algorithm.name!r}: expected 'eagle3'")
+        self.spec = spec
+        self.dtype = dtype
+        draft_to_target = drafter.vocab.target_ids(spec)
+        rows = _head_rows(head_ids, spec.draft_vocab_size)
+        arrays = dict(drafter.weights)
+        arrays.update(_shared_tensors(spec, target_tensors))
+        kept = draft_to_target if rows is None else draft_to_target[rows]
+        if "lm_head.weight" in arrays:
+            if rows is not None:
+                arrays["lm_head.weight"] = _take_rows(arrays["lm_head.weight"], rows)
+        else:
+            # A shared head's draft row i is the target's row draft_to_target[i]; only the kept
+            # rows of a (maybe memory-mapped) [V, H] target head are read and converted.
+            arrays["lm_head.weight"] = _take_rows(target_tensors["lm_head.weight"], kept)
+        self.model = Eagle3Model(spec, len(kept))
+        self.model.load_weights([(name, to_mx(a, dtype)) for name, a in arrays.items()])
+        if mx.default_device().type == mx.cpu:
+            transpose_linears(self.model)
+        self.model.eval()
+        mx.eval(self.model.parameters())
+        self.head_target_ids = mx.array(kept.astype(np.int32))  # [Vh]
+        self._taps_width = len(spec.taps.layer_ids) * spec.target.hidden_size
+        self._caches = [KVCache() for _ in spec.layers]
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget all context: the next add_context starts at position 1."""
+        for cache in self._caches:
+            cache.trim(0)
+        self._context = 0  # context rows in the caches
+        self._pending: list[tuple[mx.array, mx.array]] = []
+        self._first: tuple[mx.array, mx.array] | None = None  # last context row: logits, state
+
+    def _drop_chain(self) -> None:
+        for cache in self._caches:
+            cache.trim(self._context)
+
+    def add_context(self, tokens: Sequence[int] | mx.array, taps: mx.array) -> None:
+        """n context rows at the next positions: row i is token tokens[i] (a target id) with
+        hidden fuse(taps[i]); taps [n, A*Ht]. Drops the previous proposal's chain rows; the
+        rows are run at the next propose."""
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), mx.int32)
+        taps = taps if isinstance(taps, mx.array) else to_mx(np.asarray(taps), self.dtype)
+        if tokens.ndim != 1 or taps.shape != (tokens.shape[0], self._taps_width):
+            raise DrafterError(
+                f"add_context: tokens.shape = {list(tokens.shape)}, taps.shape ="
+                f" {list(taps.shape)}: expected [n] and [n, {self._taps_width}]"
+                f" ({len(self.spec.taps.layer_ids)} taps of {self.spec.target.hidden_size})"
+            )
+        self._drop_chain()
+        if tokens.shape[0]:
+            self._pending.append((tokens, taps))
+            self._first = None
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def _run_context(self) -> None:
+        tokens = mx.concatenate([t for t, _ in self._pending])
+        taps = mx.concatenate([g for _, g in self._pending])
+        self._pending = []
+        x = self.model(
+            tokens, self.model.fuse(taps), self._caches, context_rows=self._context, chain=False
+        )
+        self._context = self._caches[0].offset
+        logits, state = self.model.head(x)
+        self._first = (logits[0], state)
+
+    def propose(self, k: int, sampler: Sampler) -> tuple[mx.array, mx.array]:
+        """k chain steps -> (draft tokens [k] int32 target ids, logits [k, Vh]), lazy.
+
+        sampler(logits [Vh]) -> a scalar index into the kept head rows. Step 1 samples from the
+        last context row (running the pending rows first); step j >= 2 runs one chain row
+        (previous draft, previous fed-back state, next position). Proposing again without new
+        context starts over from the same last context row."""
+        if k < 1:
+            raise DrafterError(f"propose: k = {k}: expected at least one step")
+        if self._pending:
+            self._run_context()
+        elif self._first is None:
+            raise DrafterError("propose: no context rows; call add_context first")
+        else:
+            self._drop_chain()
+        logits, state = self._first
+        all_logits, drafted = [logits], [self.head_target_ids[sampler(logits)]]
+        for _ in range(1, k):
+            x = self.model(
+                drafted[-1].reshape(1),
+                state,
+                self._caches,
+                context_rows=self._context,
+                chain=True,
+            )
+            step_logits, state = self.model.head(x)
+            all_logits.append(step_logits[0])
+            drafted.append(self.head_target_ids[sampler(step_logits[0])])
+        return mx.stack(drafted), mx.stack(all_logits)
+
+
+def _head_rows(head_ids: np.ndarray | None, draft_vocab: int) -> np.ndarray | None:
+    if head_ids is None:
+        return None
+    ids = np.asarray(head_ids)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise DrafterError(
+            f"head_ids: shape {list(ids.shape)}, dtype {ids.dtype}: expected a non-empty 1-D"
+            " integer array of draft-row indices"
+        )
+    if ids.min() < 0 or ids.max() >= draft_vocab:
+        bad = int(ids[(ids < 0) | (ids >= draft_vocab)][0])
+        raise DrafterError(f"head_ids: {bad}: expected draft-row indices in [0, {draft_vocab})")
+    if np.any(np.diff(ids) <= 0):
+        raise DrafterError("head_ids: expected strictly ascending draft-row indices")
+    return ids.astype(np.int64)
+
+
+def _take_rows(array: np.ndarray | mx.array, rows: np.ndarray) -> np.ndarray | mx.array:
+    if isinstance(array, mx.array):
+        return array[mx.array(rows)]
+    return np.asarray(array)[rows]
+
+
+def _shared_tensors(
+    spec: DrafterSpec, target_tensors: Mapping[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
+    """The target's embedding [V, H] (and, only checked here, its head [V, H]) when shared."""
+    wanted = {}
+    if spec.head.embedding == "shared":
+        wanted["embed_tokens.weight"] = "embedding"
+    if spec.head.lm_head == "shared":
+        wanted["lm_head.weight"] = "lm_head"
+    shape = (spec.target.vocab_size, spec.hidden_size)
+    shared = {}
+    for name, part in wanted.items():
+        if target_tensors is None or name not in target_tensors:
+            raise DrafterError(
+                f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
+                " target; pass woodcock.target_files.load_target_tensors(target_dir)"
+            )
+        array = target_tensors[name]
+        if tuple(array.shape) != shape:
+            raise DrafterError(
+                f"target_tensors[{name!r}].shape = {tuple(array.shape)}: expected {shape}"
+                " (target vocab, drafter hidden size)"
+            )
+        if name == "embed_tokens.weight":
+            shared[name] = array
+    return shared

@@ -1,0 +1,185 @@
+"""Parity of the MLX runtime with the torch reference (`woodcock.reference.TorchDrafter`), on
+random target features and tokens, in fp32: the max |diff| of every intermediate tensor and of
+every step's logits, and whether the greedy tokens agree. Needs the `torch` extra.
+
+`parity` dispatches on the algorithm; block drafters (DFlash/DSpark) get their own function here
+once their MLX runtime exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from woodcock.errors import DrafterError
+from woodcock.ir import Drafter, DrafterSpec, Eagle3
+
+TOLERANCE = 1e-4
+
+
+def parity(
+    drafter: Drafter,
+    target_tensors: Mapping[str, np.ndarray] | None = None,
+    *,
+    steps: int = 4,
+    context: int = 12,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The parity report of any drafter (see `eagle3_parity`)."""
+    algorithm = drafter.spec.algorithm
+    if isinstance(algorithm, Eagle3):
+        return eagle3_parity(drafter, target_tensors, steps=steps, context=context, seed=seed)
+    raise DrafterError(f"parity for {algorithm.name}: not yet (the MLX runtime has EAGLE-3 only)")
+
+
+def _check_inputs(spec: DrafterSpec, target_tensors: Mapping | None, steps: int, context: int):
+    shared = [
+        part
+        for part, how in (("lm_head", spec.head.lm_head), ("embedding", spec.head.embedding))
+        if how == "shared"
+    ]
+    if shared and target_tensors is None:
+        raise DrafterError(
+            f"the drafter shares its {' and '.join(shared)} with the target: give the target"
+            " (woodcock parity --target TARGET, or load_target_tensors(TARGET))"
+        )
+    if steps < 1 or context < 1:
+        raise DrafterError(
+            f"parity: steps = {steps}, context = {context}: expected at least one of each"
+        )
+
+
+def _torch_reference():
+    try:
+        import torch
+
+        from woodcock.reference import TorchDrafter
+    except ImportError:
+        raise DrafterError(
+            "parity needs PyTorch for the reference: pip install -e '.[torch]'"
+        ) from None
+    return torch, TorchDrafter
+
+
+def _row(name: str, mlx_value: mx.array, torch_value: Any) -> dict[str, Any]:
+    a = np.array(mlx_value.astype(mx.float32))
+    b = torch_value.detach().float().numpy()
+    if a.shape != b.shape:
+        raise DrafterError(f"parity: {name}: MLX shape {list(a.shape)}, torch {list(b.shape)}")
+    return {"name": name, "shape": list(a.shape), "max_abs_diff": float(np.abs(a - b).max())}
+
+
+def eagle3_parity(
+    drafter: Drafter,
+    target_tensors: Mapping[str, np.ndarray] | None = None,
+    *,
+    steps: int = 4,
+    context: int = 12,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run `Eagle3Drafter` and `TorchDrafter` on the same random taps [context, A*Ht] and target
+    tokens [context + 1] (fp32 both).
+
+    Compared: the fused features, each layer's output and the fed-back state of one forward over
+    all context rows, the logits of every context row, then a greedy chain of `steps` steps run
+    through the loop's API (add_context, propose) against the reference's `eagle3_draft`: each
+    step's logits and the drafted tokens. `ok` is every max |diff| <= TOLERANCE and equal tokens.
+    """
+    from woodcock.runtime.eagle3 import Eagle3Drafter
+    from woodcock.runtime.layers import KVCache
+
+    spec = drafter.spec
+    _check_inputs(spec, target_tensors, steps, context)
+    torch, TorchDrafter = _torch_reference()
+    reference = TorchDrafter(drafter, target_tensors, dtype=torch.float32)
+    runtime = Eagle3Drafter(drafter, target_tensors, dtype=mx.float32)
+
+    rng = np.random.default_rng(seed)
+    width = len(spec.taps.layer_ids) * spec.target.hidden_size
+    taps = rng.standard_normal((context, width), dtype=np.float32)
+    tokens = rng.integers(0, spec.target.vocab_size, size=context + 1)
+    t_taps, t_tokens = torch.from_numpy(taps), torch.from_numpy(tokens)
+    m_taps, m_tokens = mx.array(taps), mx.array(tokens.astype(np.int32))
+
+    # One forward over all context rows, every row kept, layer outputs captured by hooks.
+    captured: list = []
+    hooks = [
+        layer.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
+        for layer in reference.layers
+    ]
+    try:
+        t_fused = reference.fuse(t_taps)
+        t_out = reference.eagle3_forward(
+            t_tokens[1:], t_fused, torch.arange(1, context + 1), reference.new_cache()
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    model, outputs = runtime.model, []
+    m_fused = model.fuse(m_taps)
+    caches = [KVCache() for _ in spec.layers]
+    x = model(
+        m_tokens[1:], m_fused, caches, context_rows=0, chain=False, out_rows=None, collect=outputs
+    )
+    m_logits, m_state = model.head(x)
+    rows = [_row("fused", m_fused, t_fused)]
+    rows += [
+        _row(f"layers.{i} output", m, t)
+        for i, (m, t) in enumerate(zip(outputs, captured, strict=True))
+    ]
+    rows.append(_row("fed-back state", m_state, t_out.hidden))
+    rows.append(_row("logits, context rows", m_logits, t_out.logits))
+
+    # The greedy chain, through the decoding loop's API.
+    result = reference.eagle3_draft(t_taps, t_tokens, steps)
+    runtime.add_context(m_tokens[1:], m_taps)
+    drafted, logits = runtime.propose(steps, lambda row: mx.argmax(row))
+    rows += [_row(f"logits, step {j + 1}", logits[j], result.logits[j]) for j in range(steps)]
+    mlx_tokens = np.array(drafted).tolist()
+    torch_tokens = result.tokens.tolist()
+
+    worst = max(row["max_abs_diff"] for row in rows)
+    agree = mlx_tokens == torch_tokens
+    return {
+        "algorithm": spec.algorithm.name,
+        "dtype": "float32",
+        "context": context,
+        "steps": steps,
+        "seed": seed,
+        "tolerance": TOLERANCE,
+        "tensors": rows,
+        "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
+        "max_abs_diff": worst,
+        "ok": bool(worst <= TOLERANCE and agree),
+    }
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """The report as a small table."""
+    tensors = report["tensors"]
+    name_width = max(len("tensor"), *(len(row["name"]) for row in tensors))
+    shape_width = max(len("shape"), *(len(str(row["shape"])) for row in tensors))
+    lines = [
+        f"{report['algorithm']}: MLX runtime vs torch reference, {report['dtype']},"
+        f" {report['context']} context rows, {report['steps']} greedy steps, seed {report['seed']}",
+        f"{'tensor':<{name_width}}  {'shape':<{shape_width}}  max |diff|",
+    ]
+    for row in tensors:
+        flag = "" if row["max_abs_diff"] <= report["tolerance"] else "  > tolerance"
+        lines.append(
+            f"{row['name']:<{name_width}}  {str(row['shape']):<{shape_width}}"
+            f"  {row['max_abs_diff']:.2e}{flag}"
+        )
+    tokens = report["tokens"]
+    lines.append(
+        f"greedy tokens: MLX {tokens['mlx']}, torch {tokens['torch']}:"
+        f" {'agree' if tokens['agree'] else 'DIFFER'}"
+    )
+    verdict = "OK" if report["ok"] else "FAIL"
+    lines.append(
+        f"{verdict}: max |diff| {report['max_abs_diff']:.2e}, tolerance {report['tolerance']:.0e}"
+    )
+    return "\n".join(lines)
