@@ -6,8 +6,9 @@ down, so its next token depends mostly on the current one (a "near-bigram" model
 byte-level BPE tokenizer trained on a few sentences. The drafter is an EAGLE-3 drafter written
 by hand to compute that bigram map: its attention copies the row's own token embedding (queries
 and keys are scaled embeddings, so each row attends to itself) and outweighs the fed-back
-state, its MLP and fused features are zero, and it shares the target's embedding and LM head. It agrees with the target most of the
-time, but not always, which is what a speculative decoder must handle.
+state, its MLP and fused features are zero, and it shares the target's embedding and LM head.
+It agrees with the target most of the time, but not always, which is what a speculative
+decoder must handle.
 """
 
 from __future__ import annotations
