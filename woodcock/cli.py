@@ -149,13 +149,6 @@ def parity(
         raise typer.Exit(1)
 
 
-def _parse_policy(text: str) -> int:
-    kind, _, value = text.partition(":")
-    if kind == "fixed" and value.isdigit() and int(value) >= 1:
-        return int(value)
-    raise DrafterError(f"--policy {text!r}: expected fixed:K with K >= 1")
-
-
 @app.command()
 def generate(
     target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
@@ -175,7 +168,14 @@ def generate(
     ] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the chat template.")] = True,
     system: Annotated[str | None, typer.Option("--system", help="System prompt (chat).")] = None,
-    policy: Annotated[str, typer.Option("--policy", help="Draft length: fixed:K.")] = "fixed:4",
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            help="Draft length: fixed:K, auto:latency.json (chain drafters) or"
+            " confidence:latency.json (block drafters with a confidence head).",
+        ),
+    ] = "fixed:4",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 0.0,
@@ -199,6 +199,7 @@ def generate(
 
     from woodcock.runtime.generate import encode_prompt
     from woodcock.runtime.generate import generate as run_generate
+    from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.sampling import Sampling
     from woodcock.runtime.session import open_session
 
@@ -211,11 +212,11 @@ def generate(
             raise DrafterError(f"{prompt_file}: cannot be read ({e.strerror})") from None
     else:
         text = sys.stdin.read() if prompt == "-" else prompt
-    num_draft = _parse_policy(policy)
     sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if seed is not None:
         mx.random.seed(seed)
     session = open_session(target, drafter, dtype=dtype)
+    chosen_policy = parse_policy(policy, session.drafter, prior=session.holdout_agreement)
     ids = encode_prompt(session.tokenizer, text, chat=chat, system=system)
 
     def show(segment: str) -> None:
@@ -225,7 +226,7 @@ def generate(
         session,
         ids,
         max_tokens=max_tokens,
-        num_draft=num_draft,
+        policy=chosen_policy,
         sampling=sampling,
         stop=stop or (),
         on_text=None if as_json else show,
@@ -241,6 +242,9 @@ def generate(
         "rounds": stats.rounds,
         "tokens_per_round": stats.tokens_per_round,
         "acceptance_by_position": stats.acceptance_by_position(),
+        "policy": policy,
+        "average_draft_length": stats.average_draft_length,
+        "draft_lengths": stats.drafted,
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
         "peak_memory_gb": result.peak_memory_gb,
@@ -257,6 +261,8 @@ def generate(
         f"\ntokens per round: {stats.tokens_per_round:.2f} over {stats.rounds} rounds"
         f" (draft {stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s)"
         f"\nacceptance by position: {acceptance}"
+        f"\ndraft length ({policy}): {stats.average_draft_length:.2f} on average;"
+        f" per round {' '.join(map(str, stats.drafted[:32]))}{' ...' if stats.rounds > 32 else ''}"
         f"\npeak memory: {result.peak_memory_gb:.3f} GB"
     )
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
+from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling, accept_drafts
 from woodcock.runtime.target import MlxTarget
 
@@ -48,6 +50,10 @@ class Stats:
         return len(self.accepted)
 
     @property
+    def average_draft_length(self) -> float:
+        return sum(self.drafted) / self.rounds if self.rounds else 0.0
+
+    @property
     def tokens_per_round(self) -> float:
         return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
 
@@ -67,11 +73,16 @@ def speculative_generate_step(
     target: MlxTarget,
     drafter: Drafter,
     *,
-    num_draft: int,
+    num_draft: int | None = None,
+    policy=None,
     sampling: Sampling = GREEDY,
     stats: Stats | None = None,
 ) -> Iterator[tuple[int, bool]]:
-    """Yields (token, from_draft) forever; the caller stops at EOS or a length limit."""
+    """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. Draft
+    length: num_draft (fixed), or a policy from woodcock.runtime.policy."""
+    if (num_draft is None) == (policy is None):
+        raise ValueError("give exactly one of num_draft and policy")
+    policy = policy or FixedPolicy(num_draft)
     stats = stats if stats is not None else Stats()
     target.reset()
     drafter.reset()
@@ -83,10 +94,13 @@ def speculative_generate_step(
     stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
     yield anchor.item(), False
     while True:
-        k = num_draft
+        context = target.offset + 1
         start = time.perf_counter()
-        drafts, draft_logits = drafter.propose(k, sampling.sample)  # [k], [k, Vh]
-        mx.eval(drafts, draft_logits)
+        drafts, draft_logits = drafter.propose(policy.draft_length(context), sampling.sample)
+        if policy.needs_scores:
+            drafts, draft_logits = _verified_prefix(policy, context, drafter, drafts, draft_logits)
+        mx.eval(drafts, draft_logits)  # [k], [k, Vh]
+        k = drafts.shape[0]
         drafted = time.perf_counter()
         logits, taps = target.forward(mx.concatenate([anchor[None].astype(drafts.dtype), drafts]))
         if sampling.greedy:  # logits [k+1, V]
@@ -103,6 +117,7 @@ def speculative_generate_step(
         drafter.add_context(
             mx.concatenate([drafts[:m], bonus[None].astype(drafts.dtype)]), taps[: m + 1]
         )
+        policy.observe(k, m)
         stats.drafted.append(k)
         stats.accepted.append(m)
         stats.draft_seconds += drafted - start
@@ -111,6 +126,19 @@ def speculative_generate_step(
             yield token, True
         anchor = bonus
         yield bonus.item(), False
+
+
+def _verified_prefix(policy, context: int, drafter: Drafter, drafts: mx.array, logits: mx.array):
+    """Let the policy cut the drafts short from the drafter's own scores: the probability of
+    each drafted token under its logits and, for block drafters, the confidence head."""
+    chosen = drafter.head_target_ids[None, :] == drafts[:, None]  # [k, Vh]
+    probs = (mx.softmax(logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
+    confidence = getattr(drafter, "last_confidence", None)
+    mx.eval(probs, *(() if confidence is None else (confidence,)))
+    keep = policy.verify_length(
+        context, np.array(probs), None if confidence is None else np.array(confidence)
+    )
+    return drafts[:keep], logits[:keep]
 
 
 def _prefill(target: MlxTarget, prompt: mx.array) -> tuple[mx.array, mx.array]:
@@ -129,7 +157,8 @@ def generate_tokens(
     drafter: Drafter,
     *,
     max_tokens: int,
-    num_draft: int,
+    num_draft: int | None = None,
+    policy=None,
     sampling: Sampling = GREEDY,
     eos_ids: Sequence[int] = (),
     stats: Stats | None = None,
@@ -137,7 +166,7 @@ def generate_tokens(
     """Tokens as plain decoding would emit them: stop before an EOS token or at max_tokens."""
     out: list[int] = []
     steps = speculative_generate_step(
-        prompt, target, drafter, num_draft=num_draft, sampling=sampling, stats=stats
+        prompt, target, drafter, num_draft=num_draft, policy=policy, sampling=sampling, stats=stats
     )
     for token, _ in steps:
         if token in eos_ids or len(out) == max_tokens:

@@ -91,7 +91,7 @@ def generate(
     prompt_ids: Sequence[int],
     *,
     max_tokens: int,
-    num_draft: int,
+    policy,
     sampling: Sampling,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
@@ -102,7 +102,7 @@ def generate(
         prompt_ids,
         session.target,
         session.drafter,
-        num_draft=num_draft,
+        policy=policy,
         sampling=sampling,
         stats=stats,
     )

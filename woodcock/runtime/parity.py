@@ -28,11 +28,13 @@ def parity(
     context: int = 12,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The parity report of any drafter (see `eagle3_parity`)."""
-    algorithm = drafter.spec.algorithm
-    if isinstance(algorithm, Eagle3):
+    """The parity report of any drafter (see `eagle3_parity`; block drafters compare one whole
+    block, so `steps` does not apply to them)."""
+    if isinstance(drafter.spec.algorithm, Eagle3):
         return eagle3_parity(drafter, target_tensors, steps=steps, context=context, seed=seed)
-    raise DrafterError(f"parity for {algorithm.name}: not yet (the MLX runtime has EAGLE-3 only)")
+    from woodcock.runtime.block_parity import block_parity
+
+    return block_parity(drafter, target_tensors, context=context, seed=seed)
 
 
 def _check_inputs(spec: DrafterSpec, target_tensors: Mapping | None, steps: int, context: int):

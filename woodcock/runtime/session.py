@@ -96,6 +96,7 @@ class Session:
     target: MlxTarget
     drafter: object  # Eagle3Drafter or BlockDrafter
     spec: object
+    holdout_agreement: list[float] | None = None  # by draft step, when the drafter records it
 
 
 def open_session(target_source: str, drafter_text: str, *, dtype: str | None = None) -> Session:

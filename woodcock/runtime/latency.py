@@ -1,0 +1,113 @@
+"""Latency profiles: what one draft and one verification of k tokens cost on this machine, and
+the expected tokens per second of a draft length under a given acceptance.
+
+latency.json:
+    {"format": "woodcock-latency", "version": 1, "machine": {...}, "target": ..., "drafter": ...,
+     "dtype": ..., "draft_kind": "chain" | "block",
+     "verify_seconds": {"<context>": [seconds to verify k = 1..16 tokens]},
+     "draft_seconds": {"<head rows>": [seconds to draft k = 1..K tokens]}}
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+from woodcock.errors import DrafterError
+from woodcock.jsonfile import read_json_object
+
+FORMAT = "woodcock-latency"
+MAX_VERIFY = 16
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    verify_seconds: dict[int, list[float]]  # context length -> cost of verifying 1..16 tokens
+    draft_seconds: dict[str, list[float]]  # head label -> cost of drafting 1..K tokens
+    draft_kind: str
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyProfile:
+        data = read_json_object(Path(path))
+        if data.get("format") != FORMAT or data.get("version") != 1:
+            raise DrafterError(
+                f"{path}: not a woodcock latency file (format {data.get('format')!r})"
+            )
+        try:
+            verify = {int(c): [float(t) for t in ts] for c, ts in data["verify_seconds"].items()}
+            draft = {str(h): [float(t) for t in ts] for h, ts in data["draft_seconds"].items()}
+            kind = data["draft_kind"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DrafterError(
+                f"{path}: malformed latency file ({type(e).__name__}: {e})"
+            ) from None
+        if not verify or not draft or any(not ts for ts in (*verify.values(), *draft.values())):
+            raise DrafterError(f"{path}: empty verify_seconds or draft_seconds")
+        return cls(verify, draft, kind)
+
+    def verify_cost(self, tokens: int, context: int) -> float:
+        """Seconds to verify `tokens` rows at a context length, interpolated between the
+        measured context lengths (clamped outside them)."""
+        contexts = sorted(self.verify_seconds)
+        tokens = min(max(tokens, 1), MAX_VERIFY)
+        i = bisect.bisect_left(contexts, context)
+        if i == 0 or i == len(contexts):
+            row = self.verify_seconds[contexts[min(i, len(contexts) - 1)]]
+            return row[min(tokens, len(row)) - 1]
+        lo, hi = contexts[i - 1], contexts[i]
+        w = (context - lo) / (hi - lo)
+        a = self.verify_seconds[lo][min(tokens, len(self.verify_seconds[lo])) - 1]
+        b = self.verify_seconds[hi][min(tokens, len(self.verify_seconds[hi])) - 1]
+        return (1 - w) * a + w * b
+
+    def draft_cost(self, tokens: int, head: str | None = None) -> float:
+        row = self.draft_seconds.get(head or "", next(iter(self.draft_seconds.values())))
+        if self.draft_kind == "block":
+            return row[0]
+        if tokens <= len(row):
+            return row[tokens - 1]
+        step = (row[-1] - row[0]) / max(len(row) - 1, 1)
+        return row[-1] + step * (tokens - len(row))
+
+    def best_length(
+        self,
+        acceptance: list[float],
+        context: int,
+        *,
+        head: str | None = None,
+        verify_only: bool = False,
+    ) -> int:
+        """The draft length K maximising expected tokens per second, where acceptance[j] is the
+        probability that draft j+1 is accepted given the ones before it were: E(K) = 1 +
+        sum_k prod_{j<=k} acceptance[j]; time(K) = draft(K) + verify(K + 1). verify_only: the
+        drafts already exist, only the verification cost counts."""
+        best, best_rate, survive, expected = 1, 0.0, 1.0, 1.0
+        for k in range(1, len(acceptance) + 1):
+            survive *= acceptance[k - 1]
+            expected += survive
+            cost = self.verify_cost(k + 1, context)
+            if not verify_only:
+                cost += self.draft_cost(k, head)
+            if expected / cost > best_rate:
+                best, best_rate = k, expected / cost
+        return best
+
+
+def timed(fn, *, warmup: int = 2, repeats: int = 5) -> float:
+    """Median wall time of fn() (which must synchronise) after warm-up."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return median(samples)
+
+
+def write_profile(path: Path, data: dict) -> None:
+    Path(path).write_text(json.dumps({"format": FORMAT, "version": 1, **data}, indent=2) + "\n")
