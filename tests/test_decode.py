@@ -2,14 +2,13 @@
 controls: a scripted one (exact acceptance patterns, EOS and max-tokens inside accepted runs)
 and a random Markov one whose distribution q is far from the target's p (sampling exactness)."""
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_targets import tiny_target
+from stats_helpers import chi_square_exceeds, exact_two_token_marginals
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, generate_tokens, speculative_generate_step
@@ -175,30 +174,6 @@ def test_untrimmable_targets_and_bad_taps_are_refused(model):
 
 # ------------------------------------------------------------------------------------------
 # Sampling: the emitted tokens are distributed as the target's own samples
-
-
-def chi_square_exceeds(counts: np.ndarray, probs: np.ndarray, z: float = 3.7) -> bool:
-    """Pearson's test at about p = 1e-4 (Wilson-Hilferty critical value); cells with an expected
-    count under 5 are pooled."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    df = len(expected) - 1
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return statistic > critical
-
-
-def exact_two_token_marginals(model, prompt, sampling):
-    """P(first token), P(second token) of plain sampling, computed from the target's logits."""
-    logits = model(mx.array([prompt]))[0, -1]
-    first = np.array(sampling.probabilities(logits))
-    batch = mx.array([prompt + [t] for t in range(len(first))])
-    second = np.array(sampling.probabilities(model(batch)[:, -1]))
-    return first, first @ second
 
 
 SAMPLINGS = [

@@ -11,9 +11,9 @@ import pytest
 import torch
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
-from woodcock.formats import speculators
 
 from woodcock.errors import DrafterError
+from woodcock.formats import speculators
 from woodcock.ir import Drafter, Head, Taps, Target
 from woodcock.loading import load_drafter
 from woodcock.reference import TorchDrafter

@@ -216,7 +216,9 @@ def generate(
     if seed is not None:
         mx.random.seed(seed)
     session = open_session(target, drafter, dtype=dtype)
-    chosen_policy = parse_policy(policy, session.drafter, prior=session.holdout_agreement)
+    chosen_policy = parse_policy(
+        policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
+    )
     ids = encode_prompt(session.tokenizer, text, chat=chat, system=system)
 
     def show(segment: str) -> None:
@@ -265,6 +267,131 @@ def generate(
         f" per round {' '.join(map(str, stats.drafted[:32]))}{' ...' if stats.rounds > 32 else ''}"
         f"\npeak memory: {result.peak_memory_gb:.3f} GB"
     )
+
+
+@app.command()
+def latency(
+    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
+    drafter: Annotated[
+        str,
+        typer.Option("--drafter", help="Drafter; PATH@COUNTS:N1,N2 also measures truncated heads."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write latency.json.")],
+    contexts: Annotated[
+        str, typer.Option("--contexts", help="Context lengths to measure at.")
+    ] = "64,256,1024",
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per point.")] = 5,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+) -> None:
+    """Measure this machine: the cost of drafting (per head size) and of verifying k = 1..16
+    tokens at a few context lengths, for the auto and confidence policies."""
+    from rich.progress import Progress
+
+    from woodcock.runtime.latency import MAX_VERIFY, measure, write_profile
+    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.session import open_session
+
+    if out.exists() and not force:
+        raise DrafterError(f"{out}: already exists; pass --force to replace it")
+    try:
+        lengths = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise DrafterError(f"--contexts {contexts!r}: expected comma-separated lengths") from None
+    session = open_session(target, drafter, dtype=dtype, many_heads=True)
+    drafters = {"full": session.drafter_with_head(None)}
+    for size in session.choice.head_sizes:
+        drafters[str(size)] = session.drafter_with_head(size)
+    per_drafter = 1 if session.spec.is_block else 8
+    total = len(lengths) * MAX_VERIFY + len(drafters) * per_drafter
+    with Progress(transient=True) as progress:
+        task = progress.add_task("measuring", total=total)
+        profile = measure(
+            session.target,
+            drafters,
+            contexts=lengths,
+            repeats=repeats,
+            advance=lambda: progress.advance(task),
+        )
+    dtype_name = str(session.runtime_dtype).removeprefix("mlx.core.")
+    facts = machine_facts(dtype_name)
+    write_profile(
+        out,
+        {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile},
+    )
+    for warning in slow_path_warnings(facts):
+        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    verify = profile["verify_seconds"][str(lengths[0])]
+    typer.echo(
+        f"wrote {out}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens {verify[-1] * 1e3:.1f} ms"
+        f" (context {lengths[0]}); draft "
+        + ", ".join(
+            f"{label} {ts[0] * 1e3:.1f} ms" for label, ts in profile["draft_seconds"].items()
+        )
+    )
+
+
+@app.command()
+def bench(
+    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
+    drafter: Annotated[str, typer.Option("--drafter", help="Drafter (as for generate).")],
+    policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "fixed:4",
+    domains: Annotated[
+        str, typer.Option("--domains", help="Comma-separated prompt domains.")
+    ] = "chat,code,math,multilingual",
+    prompts: Annotated[int, typer.Option("--prompts", help="Prompts per domain.")] = 10,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
+    dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    chart: Annotated[Path | None, typer.Option("--chart", help="Write a PNG chart.")] = None,
+) -> None:
+    """Plain mlx-lm greedy decoding against woodcock on the same prompts, interleaved in one
+    process: speed per domain, tokens per round, acceptance, and whether outputs are identical."""
+    from rich.progress import Progress
+
+    from woodcock.bench import render_table, run_bench, summary_rows, write_chart
+    from woodcock.prompts import load_prompts
+    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.policy import parse_policy
+    from woodcock.runtime.session import open_session
+
+    selected = load_prompts(domains.split(","), limit_per_domain=prompts)
+    session = open_session(target, drafter, dtype=dtype)
+
+    def make_policy():
+        return parse_policy(
+            policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
+        )
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(selected))
+        results = run_bench(
+            session,
+            selected,
+            policy_factory=make_policy,
+            max_tokens=max_tokens,
+            chat=chat,
+            progress=lambda: progress.advance(task),
+        )
+    rows = summary_rows(results)
+    facts = machine_facts(str(session.runtime_dtype).removeprefix("mlx.core."))
+    if chart is not None:
+        write_chart(rows, str(chart))
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {"policy": policy, "max_tokens": max_tokens, "rows": rows, "machine": facts},
+                indent=2,
+            )
+        )
+    else:
+        typer.echo(render_table(rows))
+        typer.echo(f"policy {policy}, {max_tokens} new tokens, greedy, batch 1")
+    for warning in slow_path_warnings(facts):
+        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    if rows[-1]["identical"] != rows[-1]["prompts"]:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -13,9 +13,12 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+
+import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object
@@ -111,3 +114,68 @@ def timed(fn, *, warmup: int = 2, repeats: int = 5) -> float:
 
 def write_profile(path: Path, data: dict) -> None:
     Path(path).write_text(json.dumps({"format": FORMAT, "version": 1, **data}, indent=2) + "\n")
+
+
+def measure(
+    target,
+    drafters: dict[str, object],
+    *,
+    contexts: Sequence[int] = (64, 256, 1024),
+    max_draft: int = 8,
+    repeats: int = 5,
+    advance: Callable[[], None] = lambda: None,
+) -> dict:
+    """Median seconds to verify k = 1..16 tokens at each context length, and to draft k tokens
+    with each drafter (EAGLE-3: k chain steps after three new context rows, as in a round;
+    block drafters: one block). `advance` is called after each measurement (progress)."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(0)
+    vocab = target.vocab_size
+    verify: dict[str, list[float]] = {}
+    context_taps = None
+    for context in contexts:
+        target.reset()
+        logits, taps = target.forward(mx.array(rng.integers(0, vocab, context)))
+        mx.eval(logits, taps)
+        context_taps = taps
+        row = []
+        for k in range(1, MAX_VERIFY + 1):
+            tokens = mx.array(rng.integers(0, vocab, k))
+
+            def verify_once(tokens=tokens, k=k):
+                logits, taps = target.forward(tokens)
+                mx.eval(logits, taps)
+                target.rollback(k)
+
+            row.append(timed(verify_once, repeats=repeats))
+            advance()
+        verify[str(context)] = row
+    draft: dict[str, list[float]] = {}
+    for label, drafter in drafters.items():
+        drafter.reset()
+        drafter.add_context(mx.array(rng.integers(0, vocab, context_taps.shape[0])), context_taps)
+        new_rows = (mx.array(rng.integers(0, vocab, 3)), context_taps[-3:])
+        lengths = (
+            [drafter.num_drafts] if hasattr(drafter, "num_drafts") else range(1, max_draft + 1)
+        )
+        draft[label] = []
+        for k in lengths:
+            draft[label].append(timed(_drafting(drafter, k, new_rows), repeats=repeats))
+            advance()
+    kind = "block" if any(hasattr(d, "num_drafts") for d in drafters.values()) else "chain"
+    return {"verify_seconds": verify, "draft_seconds": draft, "draft_kind": kind}
+
+
+def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
+    """One round's drafting: a chain drafter first takes a few new context rows, as it does
+    after each verification; a block drafter drafts from the context it has."""
+    import mlx.core as mx
+
+    def run() -> None:
+        if not hasattr(drafter, "num_drafts"):
+            drafter.add_context(*new_rows)
+        tokens, logits = drafter.propose(k, lambda row: mx.argmax(row))
+        mx.eval(tokens, logits)
+
+    return run

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
-from woodcock.ir import Drafter
+from woodcock.ir import Drafter, DrafterSpec
 from woodcock.loading import load_drafter
 from woodcock.runtime.target import MlxTarget
 
@@ -20,39 +20,38 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 @dataclass(frozen=True)
 class DrafterChoice:
     """`PATH`, `PATH@N` (keep the N most frequent tokens' head rows, by the drafter's own token
-    counts) or `PATH@COUNTS:N` (by the counts in COUNTS, a vocab_counts.npz)."""
+    counts), `PATH@COUNTS:N` (by the counts in COUNTS, a vocab_counts.npz), or several sizes
+    `PATH@COUNTS:N1,N2` where a command measures more than one; `ngram` for prompt lookup."""
 
     source: str
     counts: str | None = None
-    head_size: int | None = None
+    head_sizes: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> DrafterChoice:
         if "@" not in text:
             return cls(text)
         source, _, truncation = text.rpartition("@")
-        counts, _, size = truncation.rpartition(":")
+        counts, _, sizes = truncation.rpartition(":")
         try:
-            head_size = int(size)
+            head_sizes = tuple(int(size) for size in sizes.split(","))
         except ValueError:
             raise DrafterError(
                 f"--drafter {text!r}: expected PATH, PATH@N or PATH@COUNTS:N with N a number"
             ) from None
-        if head_size < 1:
+        if min(head_sizes) < 1:
             raise DrafterError(f"--drafter {text!r}: N must be at least 1")
-        return cls(source, counts or None, head_size)
+        return cls(source, counts or None, head_sizes)
 
 
-def truncated_head(drafter: Drafter, choice: DrafterChoice) -> np.ndarray | None:
-    """Draft-head rows to keep: those of the N most frequent target tokens (ties: lower id),
-    ascending. The verification still uses the full vocabulary, so the output is unchanged."""
-    if choice.head_size is None:
-        return None
+def truncated_head(drafter: Drafter, choice: DrafterChoice, head_size: int) -> np.ndarray | None:
+    """Draft-head rows to keep: those of the `head_size` most frequent target tokens (ties:
+    lower id), ascending. Verification still uses the full vocabulary: the output is unchanged."""
     if choice.counts is None:
         if drafter.vocab.counts is None:
             raise DrafterError(
-                f"--drafter {choice.source}@{choice.head_size}: the drafter ships no token"
-                " counts; name a counts file: PATH@COUNTS:N"
+                f"--drafter {choice.source}@{head_size}: the drafter ships no token counts;"
+                " name a counts file: PATH@COUNTS:N"
             )
         counts = drafter.vocab.counts.counts
     else:
@@ -63,10 +62,10 @@ def truncated_head(drafter: Drafter, choice: DrafterChoice) -> np.ndarray | None
             f"{choice.counts}: {counts.shape[0]} counts, the target vocabulary has"
             f" {drafter.spec.target.vocab_size} tokens"
         )
-    if choice.head_size >= len(target_ids):
+    if head_size >= len(target_ids):
         return None
     order = np.lexsort((target_ids, -counts[target_ids]))  # by count descending, then id
-    return np.sort(order[: choice.head_size])
+    return np.sort(order[:head_size])
 
 
 def _read_counts(path: Path) -> np.ndarray:
@@ -94,29 +93,22 @@ class Session:
     model: object
     tokenizer: object
     target: MlxTarget
-    drafter: object  # Eagle3Drafter or BlockDrafter
-    spec: object
+    drafter: object  # Eagle3Drafter, BlockDrafter or NgramDrafter
+    spec: DrafterSpec | None  # None for the n-gram drafter
+    head_label: str = "full"  # which draft head: "full" or its number of rows
     holdout_agreement: list[float] | None = None  # by draft step, when the drafter records it
+    choice: DrafterChoice | None = None
+    ir: Drafter | None = None
+    shared: dict | None = None
+    runtime_dtype: object = mx.float32
+
+    def drafter_with_head(self, head_size: int | None):
+        """Another runtime drafter over the same weights, with a truncated head (None: full)."""
+        head_ids = None if head_size is None else truncated_head(self.ir, self.choice, head_size)
+        return _runtime_drafter(self.ir, self.shared, self.runtime_dtype, head_ids)
 
 
-def open_session(target_source: str, drafter_text: str, *, dtype: str | None = None) -> Session:
-    from mlx_lm import load
-
-    choice = DrafterChoice.parse(drafter_text)
-    drafter = load_drafter(choice.source)
-    head_ids = truncated_head(drafter, choice)
-    model, tokenizer = load(target_source)
-    compute_dtype = default_dtype(dtype)
-    if compute_dtype is not None:
-        model.set_dtype(compute_dtype)
-    target = MlxTarget(model, drafter.spec.taps.layer_ids, name=f"target {target_source}")
-    target.check_fits(drafter.spec)
-    shared = (
-        target.shared_tensors()
-        if "shared" in (drafter.spec.head.lm_head, drafter.spec.head.embedding)
-        else None
-    )
-    runtime_dtype = compute_dtype or mx.float32
+def _runtime_drafter(drafter: Drafter, shared, dtype, head_ids):
     if drafter.spec.is_block:
         from woodcock.runtime.block import BlockDrafter
 
@@ -124,9 +116,50 @@ def open_session(target_source: str, drafter_text: str, *, dtype: str | None = N
             raise DrafterError(
                 "a truncated head (@N) is for EAGLE-3 drafters; block drafters draft once per block"
             )
-        runtime = BlockDrafter(drafter, shared, dtype=runtime_dtype)
-    else:
-        from woodcock.runtime.eagle3 import Eagle3Drafter
+        return BlockDrafter(drafter, shared, dtype=dtype)
+    from woodcock.runtime.eagle3 import Eagle3Drafter
 
-        runtime = Eagle3Drafter(drafter, shared, dtype=runtime_dtype, head_ids=head_ids)
-    return Session(model, tokenizer, target, runtime, drafter.spec)
+    return Eagle3Drafter(drafter, shared, dtype=dtype, head_ids=head_ids)
+
+
+def open_session(
+    target_source: str, drafter_text: str, *, dtype: str | None = None, many_heads: bool = False
+) -> Session:
+    """many_heads: the caller measures several head sizes (`drafter_with_head`); otherwise at
+    most one size may be given and the session's drafter uses it."""
+    from mlx_lm import load
+
+    choice = DrafterChoice.parse(drafter_text)
+    if len(choice.head_sizes) > 1 and not many_heads:
+        raise DrafterError(f"--drafter {drafter_text!r}: give one head size here")
+    model, tokenizer = load(target_source)
+    compute_dtype = default_dtype(dtype)
+    if compute_dtype is not None:
+        model.set_dtype(compute_dtype)
+    name = f"target {target_source}"
+    if choice.source == "ngram":
+        from woodcock.runtime.ngram import NgramDrafter
+
+        target = MlxTarget(model, (), name=name)
+        return Session(model, tokenizer, target, NgramDrafter(target.vocab_size), None)
+    drafter = load_drafter(choice.source)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids, name=name)
+    target.check_fits(drafter.spec)
+    head = drafter.spec.head
+    shared = target.shared_tensors() if "shared" in (head.lm_head, head.embedding) else None
+    runtime_dtype = compute_dtype or mx.float32
+    size = choice.head_sizes[0] if len(choice.head_sizes) == 1 else None
+    head_ids = None if size is None else truncated_head(drafter, choice, size)
+    runtime = _runtime_drafter(drafter, shared, runtime_dtype, head_ids)
+    return Session(
+        model,
+        tokenizer,
+        target,
+        runtime,
+        drafter.spec,
+        head_label="full" if head_ids is None else str(size),
+        choice=choice,
+        ir=drafter,
+        shared=shared,
+        runtime_dtype=runtime_dtype,
+    )

@@ -89,6 +89,8 @@ class MlxTarget:
         with self._recording() as recorders:
             logits = self.model(tokens[None], cache=self.cache)
         states = [recorders[0].input if i == 0 else recorders[i - 1].output for i in self.layer_ids]
+        if not states:  # a drafter that reads no hidden states (n-gram)
+            return logits[0], mx.zeros((tokens.shape[0], 0))
         return logits[0], mx.concatenate([s[0] for s in states], axis=-1)
 
     def rollback(self, num_tokens: int) -> None:
