@@ -1,8 +1,8 @@
 import pytest
 from helpers import assert_same_drafter
-from woodcock.formats.detect import detect, format_named
 
 from woodcock.errors import DrafterError
+from woodcock.formats.detect import detect, format_named
 from woodcock.loading import load_drafter, resolve_source, save_drafter
 from woodcock.synthetic import random_drafter, tiny_spec
 

@@ -8,9 +8,9 @@ from helpers import assert_same_drafter, base_is_mmap
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import specs
-from woodcock.formats import woodcock as native
 
 from woodcock.errors import DrafterError
+from woodcock.formats import woodcock as native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.loading import load_drafter, save_drafter
 from woodcock.synthetic import random_drafter, tiny_spec

@@ -12,10 +12,10 @@ from helpers import assert_same_drafter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import specs, speculators_representable
-from woodcock.formats import speculators
 
 from woodcock.cli import main
 from woodcock.errors import DrafterError
+from woodcock.formats import speculators
 from woodcock.ir import Drafter
 from woodcock.loading import load_drafter
 from woodcock.synthetic import random_drafter, tiny_spec
