@@ -69,7 +69,11 @@ def matches(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
+def write(
+    drafter: Drafter, path: Path, *, force: bool = False, provenance: dict | None = None
+) -> None:
+    """provenance: free-form facts recorded in the manifest (how the drafter was trained, its
+    hold-out agreement by draft step, ...); see `read_provenance`."""
     spec = drafter.spec
     tensors = dict(drafter.weights)
     if drafter.vocab.draft_to_target is not None:
@@ -105,6 +109,8 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
                 for name, digest in sorted(files.items())
             },
         }
+        if provenance:
+            manifest["provenance"] = provenance
         write_json(out / MANIFEST, manifest)
 
 
@@ -144,10 +150,18 @@ def read(path: Path, *, verify: bool = True, taps: Sequence[int] | None = None) 
         return Drafter(spec, VocabMap(draft_to_target, counts), Weights(tensors))
 
 
+def read_provenance(path: Path) -> dict[str, Any]:
+    """The manifest's provenance record ({} when there is none)."""
+    provenance = _read_manifest(Path(path)).get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise DrafterError(f"{Path(path) / MANIFEST}: provenance must be an object")
+    return provenance
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     manifest = read_json_object(manifest_path)
-    unknown = sorted(set(manifest) - set(MANIFEST_KEYS))
+    unknown = sorted(set(manifest) - set(MANIFEST_KEYS) - {"provenance"})
     missing = [k for k in MANIFEST_KEYS if k not in manifest]
     if unknown or missing:
         raise DrafterError(

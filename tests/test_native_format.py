@@ -260,3 +260,13 @@ def test_random_damage_never_crashes_the_reader(data):
             else:
                 # the manifest holds the checksums and is not checksummed itself
                 assert not verify or name == "woodcock.json", "a damaged file passed the checksum"
+
+
+def test_provenance_is_recorded_in_the_manifest(tmp_path):
+    drafter = random_drafter(tiny_spec("eagle3"))
+    record = {"holdout_agreement": [0.8, 0.6, 0.5], "command": "woodcock train ..."}
+    native.write(drafter, tmp_path / "d", provenance=record)
+    assert native.read_provenance(tmp_path / "d") == record
+    assert_same_drafter(native.read(tmp_path / "d"), drafter)
+    native.write(drafter, tmp_path / "plain")
+    assert native.read_provenance(tmp_path / "plain") == {}

@@ -11,7 +11,7 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec
-from woodcock.loading import load_drafter
+from woodcock.loading import load_drafter_with_format, resolve_source
 from woodcock.runtime.target import MlxTarget
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -142,7 +142,10 @@ def open_session(
 
         target = MlxTarget(model, (), name=name)
         return Session(model, tokenizer, target, NgramDrafter(target.vocab_size), None)
-    drafter = load_drafter(choice.source)
+    drafter, fmt = load_drafter_with_format(choice.source)
+    agreement = None
+    if fmt.NAME == "woodcock":
+        agreement = fmt.read_provenance(resolve_source(choice.source)).get("holdout_agreement")
     target = MlxTarget(model, drafter.spec.taps.layer_ids, name=name)
     target.check_fits(drafter.spec)
     head = drafter.spec.head
@@ -158,6 +161,7 @@ def open_session(
         runtime,
         drafter.spec,
         head_label="full" if head_ids is None else str(size),
+        holdout_agreement=agreement,
         choice=choice,
         ir=drafter,
         shared=shared,
