@@ -86,3 +86,15 @@ def test_a_drafter_for_another_target_is_refused(demo_dir, tmp_path, capsys):
     assert "the drafter was built for a target vocab size of 500;" in err and "has 320" in err
     code, _, err = run(["generate", "--target", str(demo_dir / "target"), "--drafter", f"{demo_dir / 'drafter'}@abc", "--prompt", "x"], capsys)
     assert code == 2 and "expected PATH, PATH@N or PATH@COUNTS:N" in err
+
+
+def test_stop_strings_cut_the_text_where_plain_decoding_would(demo_dir, capsys):
+    plain = plain_text(demo_dir / "target", "The quick brown", 40, False)
+    stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "The quick brown", "--max-tokens", "40", "--no-chat", "--stop", stop]
+    code, out, err = run(args + ["--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["text"] == plain[: plain.index(stop)] and report["finish_reason"] == "stop"
+    code, out, _ = run(args, capsys)  # streamed: the held-back text never shows the stop string
+    assert out.split("\n" + "=" * 10)[0] == plain[: plain.index(stop)]
