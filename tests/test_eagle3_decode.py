@@ -106,3 +106,25 @@ def test_truncated_head_keeps_the_output(demo):
         head = np.sort(np.random.default_rng(keep).choice(drafter.spec.draft_vocab_size, keep, replace=False))
         runtime = Eagle3Drafter(drafter, target.shared_tensors(), head_ids=head)
         assert generate_tokens(prompt, target, runtime, max_tokens=40, num_draft=4) == expected
+
+
+def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
+    from stats_helpers import chi_square_exceeds, exact_two_token_marginals
+
+    from woodcock.runtime.sampling import Sampling
+
+    model = tiny_target("llama", seed=4, scale=0.4, vocab_size=12)
+    drafter = random_eagle3(model, style="qwen3", num_layers=1, taps=(1, 3), draft_vocab=7, norm_output=True)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    sampling = Sampling(temperature=0.9, top_k=6)
+    prompt = [5, 2, 7]
+    first_p, second_p = exact_two_token_marginals(model, prompt, sampling)
+    first, second = np.zeros(12), np.zeros(12)
+    for seed in range(1200):
+        mx.random.seed(seed)
+        tokens = generate_tokens(prompt, target, runtime, max_tokens=2, num_draft=3, sampling=sampling)
+        first[tokens[0]] += 1
+        second[tokens[1]] += 1
+    assert not chi_square_exceeds(first, first_p)
+    assert not chi_square_exceeds(second, second_p)
