@@ -203,11 +203,19 @@ def blas() -> dict:
     "mapped": every BLAS-like shared library mapped into this process}."""
     system = platform.system()
     if system == "Darwin":
-        return {"library": "accelerate", "path": None, "how": "MLX links Accelerate on macOS",
-                "mapped": []}
+        return {
+            "library": "accelerate",
+            "path": None,
+            "how": "MLX links Accelerate on macOS",
+            "mapped": [],
+        }
     if system != "Linux":
-        return {"library": "unknown", "path": None, "how": f"not inspected on {system}",
-                "mapped": []}
+        return {
+            "library": "unknown",
+            "path": None,
+            "how": f"not inspected on {system}",
+            "mapped": [],
+        }
     mapped = [p for p in mapped_libraries() if _blas_like(p)]
     path, how = _resolve("cblas_sgemm")
     if path is None:

