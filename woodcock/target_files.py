@@ -3,12 +3,13 @@ tensors a drafter may share (token embedding, LM head). Read without torch or tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from woodcock.errors import DrafterError
-from woodcock.ir import Target
+from woodcock.ir import Drafter, Target
 from woodcock.jsonfile import read_json_object
 from woodcock.loading import resolve_source
 from woodcock.tensorfile import read_checkpoint
@@ -53,3 +54,48 @@ def load_target_tensors(source: str | Path) -> dict[str, np.ndarray]:
             f" (looked for names ending in {', '.join(EMBEDDING_SUFFIXES)})"
         )
     return {"embed_tokens.weight": embedding, "lm_head.weight": embedding if head is None else head}
+
+
+def drafter_arrays(
+    drafter: Drafter, target_tensors: Mapping | None, head_rows: np.ndarray | None = None
+) -> dict:
+    """Every tensor a runtime needs, by canonical name: the drafter's own weights plus what it
+    shares with the target (`load_target_tensors` or the MLX target's arrays): the embedding
+    [V, H], and the head's rows of the draft vocabulary [Vd, H]. head_rows: keep only these
+    draft rows of the head, own or shared (a truncated head). Only the kept rows of a (maybe
+    memory-mapped) target head are read."""
+    spec = drafter.spec
+    arrays = dict(drafter.weights)
+    shape = (spec.target.vocab_size, spec.hidden_size)
+    for part, name in (("embedding", "embed_tokens.weight"), ("lm_head", "lm_head.weight")):
+        if getattr(spec.head, part) != "shared":
+            continue
+        if target_tensors is None or name not in target_tensors:
+            raise DrafterError(
+                f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
+                " target; pass woodcock.target_files.load_target_tensors(target_dir) (--target)"
+            )
+        if tuple(target_tensors[name].shape) != shape:
+            raise DrafterError(
+                f"target_tensors[{name!r}].shape = {tuple(target_tensors[name].shape)}:"
+                f" expected {shape}"
+                " (target vocab, drafter hidden size)"
+            )
+        arrays[name] = target_tensors[name]
+    target_ids = drafter.vocab.target_ids(spec)
+    if spec.head.lm_head == "shared" and (
+        head_rows is not None or drafter.vocab.draft_to_target is not None
+    ):
+        rows = target_ids if head_rows is None else target_ids[head_rows]
+        arrays["lm_head.weight"] = _take_rows(arrays["lm_head.weight"], rows)
+    elif head_rows is not None:
+        arrays["lm_head.weight"] = _take_rows(arrays["lm_head.weight"], head_rows)
+    return arrays
+
+
+def _take_rows(array, rows: np.ndarray):
+    if isinstance(array, np.ndarray):
+        return array[rows]
+    import mlx.core as mx
+
+    return array[mx.array(rows)]

@@ -20,6 +20,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import DecoderLayer as LayerSpec
 from woodcock.ir import DFlash, Drafter, DSpark, Eagle3
 from woodcock.reference.layers import DecoderLayer, RMSNorm
+from woodcock.target_files import drafter_arrays
 
 Tensor = torch.Tensor
 
@@ -112,8 +113,8 @@ class TorchDrafter(nn.Module):
         self.spec = spec
         self.dtype = dtype
         self.draft_to_target = torch.from_numpy(drafter.vocab.target_ids(spec).copy()).long()
-        state = {name: to_torch(array, dtype) for name, array in drafter.weights.items()}
-        state.update(self._shared_tensors(target_tensors))
+        arrays = drafter_arrays(drafter, target_tensors)
+        state = {name: to_torch(np.asarray(array), dtype) for name, array in arrays.items()}
         # Built on the meta device and filled by assignment: a real vocabulary's embedding is
         # never randomly initialised or held twice.
         with torch.device("meta"):
@@ -124,34 +125,6 @@ class TorchDrafter(nn.Module):
         self.eval()
 
     # -- construction ----------------------------------------------------------------------
-
-    def _shared_tensors(self, target_tensors: Mapping[str, np.ndarray] | None) -> dict:
-        spec = self.spec
-        wanted = {}
-        if spec.head.embedding == "shared":
-            wanted["embed_tokens.weight"] = "embedding"
-        if spec.head.lm_head == "shared":
-            wanted["lm_head.weight"] = "lm_head"
-        shape = (spec.target.vocab_size, spec.hidden_size)
-        shared = {}
-        for name, part in wanted.items():
-            if target_tensors is None or name not in target_tensors:
-                raise DrafterError(
-                    f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
-                    " target; pass woodcock.target_files.load_target_tensors(target_dir)"
-                )
-            array = target_tensors[name]
-            if tuple(array.shape) != shape:
-                raise DrafterError(
-                    f"target_tensors[{name!r}].shape = {tuple(array.shape)}: expected {shape}"
-                    " (target vocab, drafter hidden size)"
-                )
-            if name == "lm_head.weight":
-                # Draft row i is the target's row draft_to_target[i] (ascending, as speculators'
-                # boolean t2d selection orders them).
-                array = np.asarray(array)[self.draft_to_target.numpy()]
-            shared[name] = to_torch(array, self.dtype)
-        return shared
 
     def _build(self) -> None:
         spec = self.spec

@@ -33,6 +33,7 @@ from woodcock.runtime.layers import (
     to_mx,
     transpose_linears,
 )
+from woodcock.target_files import drafter_arrays
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -116,8 +117,7 @@ class BlockDrafter:
         self.algorithm: DFlash = spec.algorithm
         self.dtype = dtype
         draft_to_target = drafter.vocab.target_ids(spec)
-        arrays = dict(drafter.weights)
-        arrays.update(_shared_tensors(spec, target_tensors, draft_to_target))
+        arrays = drafter_arrays(drafter, target_tensors)
         self.model = BlockModel(spec)
         self.model.load_weights([(name, to_mx(a, dtype)) for name, a in arrays.items()])
         self.model.eval()
@@ -384,36 +384,3 @@ def _head_layout(weight: mx.array) -> dict[str, mx.array]:
     padded = mx.pad(weight, [(0, blocks * HEAD_BLOCK - vocab), (0, 0)])
     layout = padded.reshape(blocks, HEAD_BLOCK, hidden).transpose(0, 2, 1)
     return {"head_blocks": mx.contiguous(layout)}
-
-
-def _shared_tensors(
-    spec: DrafterSpec,
-    target_tensors: Mapping[str, np.ndarray] | None,
-    draft_to_target: np.ndarray,
-) -> dict[str, np.ndarray]:
-    """The target's embedding [V, H] and its head's draft rows [Vd, H], for the parts the
-    drafter shares; only the kept rows of a (maybe memory-mapped) head are read."""
-    wanted = {}
-    if spec.head.embedding == "shared":
-        wanted["embed_tokens.weight"] = "embedding"
-    if spec.head.lm_head == "shared":
-        wanted["lm_head.weight"] = "lm_head"
-    shape = (spec.target.vocab_size, spec.hidden_size)
-    shared = {}
-    for name, part in wanted.items():
-        if target_tensors is None or name not in target_tensors:
-            raise DrafterError(
-                f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
-                " target; pass woodcock.target_files.load_target_tensors(target_dir)"
-            )
-        array = target_tensors[name]
-        if tuple(array.shape) != shape:
-            raise DrafterError(
-                f"target_tensors[{name!r}].shape = {tuple(array.shape)}: expected {shape}"
-                " (target vocab, drafter hidden size)"
-            )
-        if name == "lm_head.weight" and spec.draft_vocab_size != spec.target.vocab_size:
-            # Draft row i is the target's row draft_to_target[i].
-            array = np.asarray(array)[draft_to_target]
-        shared[name] = array
-    return shared

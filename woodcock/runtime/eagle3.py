@@ -21,6 +21,7 @@ import numpy as np
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec, Eagle3
 from woodcock.runtime.layers import DecoderLayer, KVCache, RMSNorm, to_mx, transpose_linears
+from woodcock.target_files import drafter_arrays
 
 
 class Eagle3Model(nn.Module):
@@ -159,16 +160,8 @@ class Eagle3Drafter:
         self.dtype = dtype
         draft_to_target = drafter.vocab.target_ids(spec)
         rows = _head_rows(head_ids, spec.draft_vocab_size)
-        arrays = dict(drafter.weights)
-        arrays.update(_shared_tensors(spec, target_tensors))
+        arrays = drafter_arrays(drafter, target_tensors, rows)
         kept = draft_to_target if rows is None else draft_to_target[rows]
-        if "lm_head.weight" in arrays:
-            if rows is not None:
-                arrays["lm_head.weight"] = _take_rows(arrays["lm_head.weight"], rows)
-        else:
-            # A shared head's draft row i is the target's row draft_to_target[i]; only the kept
-            # rows of a (maybe memory-mapped) [V, H] target head are read and converted.
-            arrays["lm_head.weight"] = _take_rows(target_tensors["lm_head.weight"], kept)
         self.model = Eagle3Model(spec, len(kept))
         self.model.load_weights([(name, to_mx(a, dtype)) for name, a in arrays.items()])
         if mx.default_device().type == mx.cpu:
@@ -270,37 +263,3 @@ def _head_rows(head_ids: np.ndarray | None, draft_vocab: int) -> np.ndarray | No
     if np.any(np.diff(ids) <= 0):
         raise DrafterError("head_ids: expected strictly ascending draft-row indices")
     return ids.astype(np.int64)
-
-
-def _take_rows(array: np.ndarray | mx.array, rows: np.ndarray) -> np.ndarray | mx.array:
-    if isinstance(array, mx.array):
-        return array[mx.array(rows)]
-    return np.asarray(array)[rows]
-
-
-def _shared_tensors(
-    spec: DrafterSpec, target_tensors: Mapping[str, np.ndarray] | None
-) -> dict[str, np.ndarray]:
-    """The target's embedding [V, H] (and, only checked here, its head [V, H]) when shared."""
-    wanted = {}
-    if spec.head.embedding == "shared":
-        wanted["embed_tokens.weight"] = "embedding"
-    if spec.head.lm_head == "shared":
-        wanted["lm_head.weight"] = "lm_head"
-    shape = (spec.target.vocab_size, spec.hidden_size)
-    shared = {}
-    for name, part in wanted.items():
-        if target_tensors is None or name not in target_tensors:
-            raise DrafterError(
-                f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
-                " target; pass woodcock.target_files.load_target_tensors(target_dir)"
-            )
-        array = target_tensors[name]
-        if tuple(array.shape) != shape:
-            raise DrafterError(
-                f"target_tensors[{name!r}].shape = {tuple(array.shape)}: expected {shape}"
-                " (target vocab, drafter hidden size)"
-            )
-        if name == "embed_tokens.weight":
-            shared[name] = array
-    return shared
