@@ -29,3 +29,16 @@ def assert_same_drafter(a: Drafter, b: Drafter) -> None:
         x, y = a.weights[name], b.weights[name]
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert x.tobytes() == y.tobytes(), name
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """Run the woodcock command in-process: (exit code, stdout, stderr)."""
+    from woodcock.cli import main
+
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err

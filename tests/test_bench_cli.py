@@ -5,18 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from woodcock.cli import main
 from woodcock.runtime.latency import LatencyProfile
-
-
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return (code, *capsys.readouterr())
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +25,7 @@ def demo(tmp_path_factory):
 def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     out = tmp_path / "latency.json"
     drafter = f"{demo / 'drafter'}@{demo / 'counts.npz'}:64,128"
-    code, stdout, err = run(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out), "--contexts", "16,48", "--repeats", "1"], capsys)
+    code, stdout, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out), "--contexts", "16,48", "--repeats", "1"], capsys)
     assert code == 0, err
     data = json.loads(out.read_text())
     assert set(data["verify_seconds"]) == {"16", "48"} and all(len(v) == 16 for v in data["verify_seconds"].values())
@@ -41,37 +33,37 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     assert data["machine"] and data["dtype"] == "float32"
     profile = LatencyProfile.load(out)
     assert profile.best_length([0.9] * 8, 32) >= 1
-    code, _, err = run(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out)], capsys)
+    code, _, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out)], capsys)
     assert code == 2 and "already exists" in err
 
     base = ["generate", "--target", str(demo / "target"), "--prompt", "The quick brown", "--max-tokens", "40", "--no-chat", "--json"]
-    fixed = json.loads(run(base + ["--drafter", str(demo / "drafter")], capsys)[1])
-    auto = json.loads(run(base + ["--drafter", f"{demo / 'drafter'}@{demo / 'counts.npz'}:128", "--policy", f"auto:{out}"], capsys)[1])
+    fixed = json.loads(run_cli(base + ["--drafter", str(demo / "drafter")], capsys)[1])
+    auto = json.loads(run_cli(base + ["--drafter", f"{demo / 'drafter'}@{demo / 'counts.npz'}:128", "--policy", f"auto:{out}"], capsys)[1])
     assert auto["text"] == fixed["text"]
     assert auto["average_draft_length"] >= 1 and auto["policy"].startswith("auto:")
 
 
 def test_auto_policy_without_a_file_falls_back_with_a_warning(demo, capsys):
-    code, out, err = run(["generate", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt", "x", "--max-tokens", "4", "--policy", "auto", "--no-chat"], capsys)
+    code, out, err = run_cli(["generate", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt", "x", "--max-tokens", "4", "--policy", "auto", "--no-chat"], capsys)
     assert code == 0 and "using fixed:4" in err
 
 
 def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     chart = tmp_path / "bench.png"
     args = ["bench", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--domains", "chat,code", "--prompts", "1", "--max-tokens", "16", "--no-chat"]
-    code, out, err = run(args + ["--chart", str(chart)], capsys)
+    code, out, err = run_cli(args + ["--chart", str(chart)], capsys)
     assert code == 0, err
     assert "greedy outputs identical to plain mlx-lm decoding on 2 of 2 prompts" in out
     for column in ("baseline tok/s", "woodcock tok/s", "speedup", "tok/round", "acceptance by position"):
         assert column in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, err = run(args + ["--json"], capsys)
+    code, out, err = run_cli(args + ["--json"], capsys)
     report = json.loads(out)
     assert [row["domain"] for row in report["rows"]] == ["chat", "code", "all"]
     assert report["rows"][-1]["identical"] == 2
 
 
 def test_ngram_drafter_through_generate_and_bench(demo, capsys):
-    code, out, err = run(["bench", "--target", str(demo / "target"), "--drafter", "ngram", "--domains", "code", "--prompts", "1", "--max-tokens", "16", "--no-chat"], capsys)
+    code, out, err = run_cli(["bench", "--target", str(demo / "target"), "--drafter", "ngram", "--domains", "code", "--prompts", "1", "--max-tokens", "16", "--no-chat"], capsys)
     assert code == 0, err
     assert "identical to plain mlx-lm decoding on 1 of 1" in out

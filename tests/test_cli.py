@@ -4,22 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from woodcock.cli import main
 from woodcock.loading import save_drafter
 from woodcock.synthetic import random_drafter, tiny_spec
 
 WOODCOCK = Path(sys.executable).with_name("woodcock")
 
 
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -33,7 +25,7 @@ def drafter_dir(tmp_path):
 
 
 def test_inspect_text(drafter_dir, capsys):
-    code, out, err = run(["inspect", str(drafter_dir)], capsys)
+    code, out, err = run_cli(["inspect", str(drafter_dir)], capsys)
     assert code == 0, err
     assert "format      woodcock" in out
     assert "eagle3 (norm_before_residual=False, norm_output=True, speculative_tokens=3)" in out
@@ -46,7 +38,7 @@ def test_inspect_text(drafter_dir, capsys):
 
 
 def test_inspect_json(drafter_dir, capsys):
-    code, out, _ = run(["inspect", "--json", str(drafter_dir)], capsys)
+    code, out, _ = run_cli(["inspect", "--json", str(drafter_dir)], capsys)
     assert code == 0
     report = json.loads(out)
     assert report["format"] == "woodcock"
@@ -99,15 +91,15 @@ def test_debug_shows_the_traceback(tmp_path):
     ],
 )
 def test_inspect_bad_paths(tmp_path, capsys, make, message):
-    code, out, err = run(["inspect", str(make(tmp_path))], capsys)
+    code, out, err = run_cli(["inspect", str(make(tmp_path))], capsys)
     assert code == 2 and out == ""
     assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_help_and_version(capsys):
-    code, out, _ = run(["--help"], capsys)
+    code, out, _ = run_cli(["--help"], capsys)
     assert code == 0 and "inspect" in out
-    code, out, _ = run(["--version"], capsys)
+    code, out, _ = run_cli(["--version"], capsys)
     assert code == 0 and out.startswith("woodcock ")
-    code, _, err = run(["inspect"], capsys)
+    code, _, err = run_cli(["inspect"], capsys)
     assert code == 2 and "Missing argument" in err

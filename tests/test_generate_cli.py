@@ -5,21 +5,12 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import run_cli
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from woodcock.cli import main
 from woodcock.runtime.generate import encode_prompt
-
-
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +39,7 @@ def plain_text(target, prompt, max_tokens, chat):
 @pytest.mark.parametrize("chat", [True, False])
 def test_generate_streams_the_targets_text_and_reports(demo_dir, capsys, chat):
     args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "The quick brown", "--max-tokens", "40", "--policy", "fixed:4"]
-    code, out, err = run(args + ([] if chat else ["--no-chat"]), capsys)
+    code, out, err = run_cli(args + ([] if chat else ["--no-chat"]), capsys)
     assert code == 0, err
     assert out.startswith(plain_text(demo_dir / "target", "The quick brown", 40, chat))
     for label in ("prompt:", "generation:", "tokens per round:", "acceptance by position:", "peak memory:"):
@@ -59,10 +50,10 @@ def test_generate_json_and_truncated_head(demo_dir, capsys):
     counts = np.arange(1000, 1000 - 320, -1)  # "frequency" falls with the id
     np.savez(demo_dir / "counts.npz", counts=counts)
     base = ["generate", "--target", str(demo_dir / "target"), "--prompt", "Paris is", "--max-tokens", "30", "--json", "--no-chat"]
-    code, out, err = run(base + ["--drafter", str(demo_dir / "drafter")], capsys)
+    code, out, err = run_cli(base + ["--drafter", str(demo_dir / "drafter")], capsys)
     assert code == 0, err
     full = json.loads(out)
-    code, out, err = run(base + ["--drafter", f"{demo_dir / 'drafter'}@{demo_dir / 'counts.npz'}:64"], capsys)
+    code, out, err = run_cli(base + ["--drafter", f"{demo_dir / 'drafter'}@{demo_dir / 'counts.npz'}:64"], capsys)
     assert code == 0, err
     truncated = json.loads(out)
     assert truncated["text"] == full["text"] == plain_text(demo_dir / "target", "Paris is", 30, False)
@@ -72,8 +63,8 @@ def test_generate_json_and_truncated_head(demo_dir, capsys):
 
 def test_generate_sampling_is_seeded(demo_dir, capsys):
     args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "One, two", "--max-tokens", "20", "--temp", "0.8", "--top-p", "0.9", "--seed", "3", "--json"]
-    first = json.loads(run(args, capsys)[1])["text"]
-    assert json.loads(run(args, capsys)[1])["text"] == first
+    first = json.loads(run_cli(args, capsys)[1])["text"]
+    assert json.loads(run_cli(args, capsys)[1])["text"] == first
 
 
 def test_a_drafter_for_another_target_is_refused(demo_dir, tmp_path, capsys):
@@ -81,10 +72,10 @@ def test_a_drafter_for_another_target_is_refused(demo_dir, tmp_path, capsys):
     from woodcock.synthetic import random_drafter, tiny_spec
 
     save_drafter(random_drafter(tiny_spec("eagle3", vocab_size=500, hidden_size=64)), tmp_path / "other")
-    code, out, err = run(["generate", "--target", str(demo_dir / "target"), "--drafter", str(tmp_path / "other"), "--prompt", "x"], capsys)
+    code, out, err = run_cli(["generate", "--target", str(demo_dir / "target"), "--drafter", str(tmp_path / "other"), "--prompt", "x"], capsys)
     assert code == 2 and out == ""
     assert "the drafter was built for a target vocab size of 500;" in err and "has 320" in err
-    code, _, err = run(["generate", "--target", str(demo_dir / "target"), "--drafter", f"{demo_dir / 'drafter'}@abc", "--prompt", "x"], capsys)
+    code, _, err = run_cli(["generate", "--target", str(demo_dir / "target"), "--drafter", f"{demo_dir / 'drafter'}@abc", "--prompt", "x"], capsys)
     assert code == 2 and "expected PATH, PATH@N or PATH@COUNTS:N" in err
 
 
@@ -92,9 +83,9 @@ def test_stop_strings_cut_the_text_where_plain_decoding_would(demo_dir, capsys):
     plain = plain_text(demo_dir / "target", "The quick brown", 40, False)
     stop = plain[len(plain) // 2 : len(plain) // 2 + 3]
     args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "The quick brown", "--max-tokens", "40", "--no-chat", "--stop", stop]
-    code, out, err = run(args + ["--json"], capsys)
+    code, out, err = run_cli(args + ["--json"], capsys)
     assert code == 0, err
     report = json.loads(out)
     assert report["text"] == plain[: plain.index(stop)] and report["finish_reason"] == "stop"
-    code, out, _ = run(args, capsys)  # streamed: the held-back text never shows the stop string
+    code, out, _ = run_cli(args, capsys)  # streamed: the held-back text never shows the stop string
     assert out.split("\n" + "=" * 10)[0] == plain[: plain.index(stop)]

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 from mlx.utils import tree_flatten
 
-from woodcock.cli import main
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, Head
 from woodcock.loading import save_drafter
@@ -594,14 +594,6 @@ def test_parity_covers_block_drafters_and_refuses_missing_targets():
         parity(make_drafter(tiny_spec("eagle3")))
 
 
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -626,14 +618,14 @@ def drafter_dirs(tmp_path):
 
 
 def test_parity_command(drafter_dirs, capsys):
-    code, out, err = run(["parity", str(drafter_dirs["own"])], capsys)
+    code, out, err = run_cli(["parity", str(drafter_dirs["own"])], capsys)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[1].split() == ["tensor", "shape", "max", "|diff|"]
     assert any(line.startswith("logits, step 4") for line in lines)
     assert "agree" in out and lines[-1].startswith("OK: max |diff|")
 
-    code, out, err = run(
+    code, out, err = run_cli(
         [
             "parity",
             str(drafter_dirs["shared"]),
@@ -651,7 +643,7 @@ def test_parity_command(drafter_dirs, capsys):
 
 
 def test_parity_command_needs_the_target_of_a_shared_head(drafter_dirs, capsys):
-    code, out, err = run(["parity", str(drafter_dirs["shared"])], capsys)
+    code, out, err = run_cli(["parity", str(drafter_dirs["shared"])], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1
     assert err.startswith("woodcock: error: the drafter shares its embedding with the target")
@@ -660,7 +652,7 @@ def test_parity_command_needs_the_target_of_a_shared_head(drafter_dirs, capsys):
 
 def test_parity_command_fails_past_the_tolerance(drafter_dirs, capsys, monkeypatch):
     monkeypatch.setattr(parity_module, "TOLERANCE", -1.0)
-    code, out, _ = run(["parity", str(drafter_dirs["own"])], capsys)
+    code, out, _ = run_cli(["parity", str(drafter_dirs["own"])], capsys)
     assert code == 1
     assert "> tolerance" in out and out.splitlines()[-1].startswith("FAIL")
 
@@ -668,6 +660,6 @@ def test_parity_command_fails_past_the_tolerance(drafter_dirs, capsys, monkeypat
 def test_parity_command_on_a_block_drafter(drafter_dirs, tmp_path, capsys):
     path = tmp_path / "dflash"
     save_drafter(random_drafter(tiny_spec("dflash")), path)
-    code, out, err = run(["parity", str(path), "--target", str(drafter_dirs["target"])], capsys)
+    code, out, err = run_cli(["parity", str(path), "--target", str(drafter_dirs["target"])], capsys)
     assert code == 0, err
     assert out.splitlines()[-1].startswith("OK")

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_same_drafter
+from helpers import assert_same_drafter, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import specs, speculators_representable
 
-from woodcock.cli import main
 from woodcock.errors import DrafterError
 from woodcock.formats import speculators
 from woodcock.ir import Drafter
@@ -311,13 +310,6 @@ def make_target(path: Path, spec, tie: bool) -> dict:
     return tensors
 
 
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, *capsys.readouterr()
 
 
 def test_convert_round_trip_is_bit_identical(saved, tmp_path, capsys):
@@ -327,15 +319,15 @@ def test_convert_round_trip_is_bit_identical(saved, tmp_path, capsys):
     ):
         source = saved(spec, f"src-{spec.algorithm.name}")
         native, back = tmp_path / f"n-{spec.algorithm.name}", tmp_path / f"b-{spec.algorithm.name}"
-        assert run(["convert", str(source), str(native), "--to", "woodcock"], capsys)[0] == 0
-        assert run(["convert", str(native), str(back), "--to", "speculators"], capsys)[0] == 0
+        assert run_cli(["convert", str(source), str(native), "--to", "woodcock"], capsys)[0] == 0
+        assert run_cli(["convert", str(native), str(back), "--to", "speculators"], capsys)[0] == 0
         assert (source / "model.safetensors").read_bytes() == (
             back / "model.safetensors"
         ).read_bytes()
         assert json.loads((source / "config.json").read_text()) == json.loads(
             (back / "config.json").read_text()
         )
-        code, _, err = run(["convert", str(native), str(back), "--to", "speculators"], capsys)
+        code, _, err = run_cli(["convert", str(native), str(back), "--to", "speculators"], capsys)
         assert code == 2 and "already exists; pass --force" in err
 
 
@@ -345,7 +337,7 @@ def test_convert_with_target_fills_shared_tensors(saved, tmp_path, capsys, tie):
     source = saved(spec)
     target = make_target(tmp_path / "target", spec, tie)
     out = tmp_path / "out"
-    code, _, err = run(
+    code, _, err = run_cli(
         [
             "convert",
             str(source),
@@ -374,7 +366,7 @@ def test_convert_with_target_checks_the_taps(saved, tmp_path, capsys):
     spec = dataclasses.replace(spec, taps=dataclasses.replace(spec.taps, layer_ids=(1, 7)))
     source = saved(spec)
     make_target(tmp_path / "target", spec, True)
-    code, _, err = run(
+    code, _, err = run_cli(
         [
             "convert",
             str(source),
