@@ -18,8 +18,8 @@ from woodcock.ir import Drafter, Head, Taps, Target
 from woodcock.loading import load_drafter
 from woodcock.reference import TorchDrafter
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.block_parity import block_parity
 from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.parity import block_parity
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec
 

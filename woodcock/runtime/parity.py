@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
-from woodcock.ir import Drafter, DrafterSpec, Eagle3
+from woodcock.ir import DFlash, Drafter, DrafterSpec, DSpark, Eagle3
 
 TOLERANCE = 1e-4
 
@@ -32,8 +32,6 @@ def parity(
     block, so `steps` does not apply to them)."""
     if isinstance(drafter.spec.algorithm, Eagle3):
         return eagle3_parity(drafter, target_tensors, steps=steps, context=context, seed=seed)
-    from woodcock.runtime.block_parity import block_parity
-
     return block_parity(drafter, target_tensors, context=context, seed=seed)
 
 
@@ -150,6 +148,104 @@ def eagle3_parity(
         "dtype": "float32",
         "context": context,
         "steps": steps,
+        "seed": seed,
+        "tolerance": TOLERANCE,
+        "tensors": rows,
+        "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
+        "max_abs_diff": worst,
+        "ok": bool(worst <= TOLERANCE and agree),
+    }
+
+
+def block_parity(
+    drafter: Drafter,
+    target_tensors: Mapping[str, np.ndarray] | None = None,
+    *,
+    context: int = 12,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run `BlockDrafter` and `TorchDrafter` on the same random taps [context, A*Ht] and a random
+    anchor (fp32 both).
+
+    Compared: the fused context, each layer's output and the post-norm states of the block
+    [anchor, MASK x (B-1)], the backbone logits of every slot, then one proposal through the
+    loop's API (add_context, propose with argmax): the logits each draft was sampled from
+    (DSpark: with the Markov bias, against the reference's `markov_heads` fed the same previous
+    tokens) and the confidence, and the greedy drafts against `block_draft`. `ok` is every max
+    |diff| <= TOLERANCE and equal drafts.
+    """
+    from woodcock.runtime.block import BlockDrafter
+
+    spec = drafter.spec
+    algorithm = spec.algorithm
+    if not isinstance(algorithm, DFlash):
+        raise DrafterError(
+            f"block_parity: algorithm = {algorithm.name!r}: expected a block drafter"
+        )
+    _check_inputs(spec, target_tensors, 1, context)
+    torch, TorchDrafter = _torch_reference()
+    reference = TorchDrafter(drafter, target_tensors, dtype=torch.float32)
+    runtime = BlockDrafter(drafter, target_tensors, dtype=mx.float32)
+
+    rng = np.random.default_rng(seed)
+    width = len(spec.taps.layer_ids) * spec.target.hidden_size
+    taps = rng.standard_normal((context, width), dtype=np.float32)
+    # Only the last token (the anchor) matters to a block drafter.
+    tokens = rng.integers(0, spec.target.vocab_size, size=context)
+    anchor = int(tokens[-1])
+    size, first = algorithm.block_size, 0 if algorithm.sample_from_anchor else 1
+    t_taps = torch.from_numpy(taps)
+
+    # The block forward, every layer's output captured.
+    captured: list = []
+    hooks = [
+        layer.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
+        for layer in reference.layers
+    ]
+    try:
+        t_fused = reference.fuse(t_taps)
+        block_ids = torch.cat(
+            (torch.tensor([anchor]), torch.full((size - 1,), algorithm.mask_token_id))
+        )
+        t_out = reference.block_forward(
+            t_fused, torch.arange(context), block_ids, torch.arange(context, context + size)
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    m_fused = runtime.fuse(mx.array(taps))
+    runtime.add_context(mx.array(tokens.astype(np.int32)), mx.array(taps))
+    outputs: list[mx.array] = []
+    m_hidden = runtime.block_hidden(collect=outputs)
+    rows = [_row("fused context", m_fused, t_fused)]
+    rows += [
+        _row(f"layers.{i} output", m, t)
+        for i, (m, t) in enumerate(zip(outputs, captured, strict=True))
+    ]
+    rows.append(_row("block hidden (post-norm)", m_hidden, t_out.hidden))
+    rows.append(_row("backbone logits", runtime.logits(m_hidden), t_out.logits))
+
+    # One proposal through the loop's API, and the reference's heads on the same drafts.
+    drafted, logits = runtime.propose(runtime.num_drafts, lambda row: mx.argmax(row))
+    mlx_tokens = np.array(drafted).tolist()
+    before = [anchor] * (1 + first) + mlx_tokens[: size - 1 - first]
+    t_logits, t_confidence = reference.markov_heads(
+        t_out.hidden, t_out.logits, torch.tensor(before)
+    )
+    is_dspark = isinstance(algorithm, DSpark) and algorithm.markov_rank > 0
+    name = "draft logits (with Markov bias)" if is_dspark else "draft logits"
+    rows.append(_row(name, logits, t_logits[first:]))
+    if runtime.last_confidence is not None:
+        rows.append(_row("confidence", runtime.last_confidence, t_confidence[first:]))
+    torch_tokens = reference.block_draft(t_taps, anchor).tokens.tolist()
+
+    worst = max(row["max_abs_diff"] for row in rows)
+    agree = mlx_tokens == torch_tokens
+    return {
+        "algorithm": algorithm.name,
+        "dtype": "float32",
+        "context": context,
+        "steps": runtime.num_drafts,
         "seed": seed,
         "tolerance": TOLERANCE,
         "tensors": rows,
