@@ -5,12 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from woodcock.formats import speculators
+from woodcock.errors import DrafterError
+from woodcock.formats import (
+    deepspec,
+    safeailab,
+    specforge,
+    specforge_dspark,
+    speculators,
+    zlab_dflash,
+)
 from woodcock.formats import woodcock as native
 
-from woodcock.errors import DrafterError
-
-FORMATS: tuple[ModuleType, ...] = (native, speculators)
+# Most specific first; each signature excludes the ones before it (tests check that every
+# format's checkpoints are detected as that format and no other).
+FORMATS: tuple[ModuleType, ...] = (
+    native,
+    speculators,
+    specforge_dspark,
+    zlab_dflash,
+    deepspec,
+    specforge,
+    safeailab,
+)
 
 
 def format_named(name: str) -> ModuleType:

@@ -11,6 +11,7 @@ import typer
 
 from woodcock import __version__
 from woodcock.errors import DrafterError
+from woodcock.train.cli import app as training_app
 
 app = typer.Typer(
     name="woodcock",
@@ -20,6 +21,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _debug = False
+app.add_typer(training_app)  # distill, train
 
 
 def _print_version(value: bool) -> None:
@@ -88,7 +90,8 @@ def convert(
         typer.Option(
             "--target",
             help="Target model directory or id: records its facts, checks the taps and copies in"
-            " the tensors the drafter shares with it.",
+            " the tensors the drafter shares with it (unless the output format always takes"
+            " them from the target: zlab-dflash, specforge-dspark).",
         ),
     ] = None,
     dtype: Annotated[
@@ -144,7 +147,8 @@ def convert(
     original = drafter
     if target is not None:
         drafter = attach_target(drafter, target_from_config(target))
-        drafter = fill_shared(drafter, load_target_tensors(target))
+        if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's
+            drafter = fill_shared(drafter, load_target_tensors(target))
     drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
     if dtype is not None:
         drafter = cast(drafter, dtype)

@@ -1,0 +1,515 @@
+"""Pieces shared by the formats whose config.json is a Hugging Face decoder config with a few
+extra keys: SafeAILab and SpecForge EAGLE-3, z-lab DFlash, DeepSpec and SpecForge DSpark.
+
+Keys a format's own runtime reads with a class default take that default when missing (that is
+how the runtime reads the file); keys nobody here knows are refused, since they may change the
+math. A writer first builds everything it would write (`Output`): `--dry-run` prints that, `write`
+stores it. Tensors are the drafter's own arrays under new names: a rename never copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from woodcock.converters.layer_ids import from_canonical, to_canonical
+from woodcock.errors import DrafterError
+from woodcock.formats.speculators import HF_LAYER_DEFAULTS
+from woodcock.ir import ROPE_TYPES, DecoderLayer, Drafter, DrafterSpec, error_prefix
+from woodcock.jsonfile import read_json_object, write_json
+from woodcock.staging import staged_directory
+from woodcock.tensorfile import read_checkpoint, write_safetensors
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+# Keys of a copied Hugging Face config that do not change what a draft layer computes.
+INERT_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "pretraining_tp",
+        "attention_dropout",
+        "_name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+# The decoder-layer keys every format here reads (with the class defaults below).
+LAYER_KEYS = frozenset(
+    {
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "attention_bias",
+        "vocab_size",
+        "num_hidden_layers",
+    }
+)
+QWEN3_DEFAULTS = HF_LAYER_DEFAULTS["qwen3"]  # checked against transformers in the tests
+LLAMA_DEFAULTS = HF_LAYER_DEFAULTS["llama"]
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass
+class Output:
+    """Everything a writer would write. `sources` maps each output tensor to the canonical name
+    it holds, or to a description in parentheses for tensors built from the vocabulary map."""
+
+    config: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    sources: dict[str, str]
+    files: tuple[str, ...] = (CONFIG, WEIGHTS)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_config(path: Path) -> tuple[Path, dict[str, Any]]:
+    config_path = Path(path) / CONFIG
+    return config_path, read_json_object(config_path)
+
+
+def config_or_none(path: Path) -> dict[str, Any] | None:
+    """The config for format detection: None when absent or unreadable (detection never fails)."""
+    try:
+        return read_json_object(Path(path) / CONFIG)
+    except DrafterError:
+        return None
+
+
+def architectures(config: Mapping[str, Any]) -> list[str]:
+    archs = config.get("architectures")
+    return [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+
+
+def check_keys(config: Mapping[str, Any], known: Iterable[str], what: str) -> None:
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise DrafterError(
+            f"unknown key(s) {', '.join(unknown)} for {what} (they may change the math;"
+            " refusing to guess)"
+        )
+
+
+def integer(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise DrafterError(f"{name} = {value!r}: expected an integer")
+    return value
+
+
+def boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise DrafterError(f"{name} = {value!r}: expected true or false")
+    return value
+
+
+def required(config: Mapping[str, Any], key: str, where: str = "") -> Any:
+    if key not in config or config[key] is None:
+        raise DrafterError(f"missing key {where}{key}")
+    return config[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer ids
+
+
+def read_taps(
+    stored: Any,
+    override: Sequence[int] | None,
+    convention: str,
+    key: str,
+    *,
+    target_layers: int | None = None,
+    hf_final_norm: bool = False,
+) -> tuple[int, ...]:
+    """Canonical tap ids from the stored ones (or from --taps when none are stored; when both
+    exist they must agree). hf_final_norm: the runtime reads Hugging Face hidden_states, whose
+    last entry is after the final norm, so "output of the last layer" is not the IR's id N."""
+    if stored is None or stored == []:
+        if override is None:
+            raise DrafterError(
+                f"{key} is not recorded: the tapped target layers are unknown; pass them with"
+                " --taps (canonical ids: residual stream after L layers)"
+            )
+        return tuple(override)
+    if not isinstance(stored, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in stored
+    ):
+        raise DrafterError(f"{key} = {stored!r}: expected a list of layer ids")
+    if any(b <= a for a, b in zip(stored, stored[1:], strict=False)):
+        raise DrafterError(f"{key} = {stored!r}: expected strictly ascending ids")
+    if hf_final_norm and target_layers is not None and target_layers - 1 in stored:
+        raise DrafterError(
+            f"{key} = {stored!r} includes the last target layer ({target_layers - 1}): this"
+            " runtime reads Hugging Face hidden_states, where that entry is after the final norm,"
+            " which no canonical tap id means"
+        )
+    canonical = to_canonical(stored, convention)
+    if override is not None and tuple(override) != canonical:
+        raise DrafterError(
+            f"{key} = {stored!r} ({convention}) is canonical {list(canonical)}; --taps"
+            f" {list(override)} disagrees"
+        )
+    return canonical
+
+
+def stored_taps(
+    spec: DrafterSpec, convention: str, *, hf_final_norm: bool = False, fmt: str = ""
+) -> list[int]:
+    ids = spec.taps.layer_ids
+    n = spec.target.num_hidden_layers
+    if hf_final_norm and n is not None and n in ids:
+        raise DrafterError(
+            f"taps {list(ids)} include id {n} (the last layer's output before the final norm):"
+            f" {fmt} reads Hugging Face hidden_states, where that entry is after the final norm"
+        )
+    return list(from_canonical(ids, convention))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder layers
+
+
+def read_rope(config: Mapping[str, Any], allowed: Iterable[str] = ROPE_TYPES) -> tuple[float, Any]:
+    """(rope_theta, rope_scaling in the IR's form) from either spelling: rope_theta/rope_scaling
+    (transformers 4) or rope_parameters (transformers 5)."""
+    params = config.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise DrafterError(f"rope_parameters = {params!r}: expected an object with rope_theta")
+        theta = params["rope_theta"]
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        legacy = config.get("rope_scaling")
+        if "rope_theta" in config and config["rope_theta"] != theta:
+            raise DrafterError(
+                f"rope_theta = {config['rope_theta']!r} disagrees with rope_parameters ({theta!r})"
+            )
+        if legacy and _rope_kind(legacy) != _rope_kind(scaling):
+            raise DrafterError(f"rope_scaling = {legacy!r} disagrees with rope_parameters")
+    else:
+        theta = config.get("rope_theta", DEFAULT_ROPE_THETA)
+        scaling = config.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise DrafterError(f"rope_scaling = {scaling!r}: expected an object or null")
+        scaling = dict(scaling)
+    if "type" in scaling:  # the pre-4.45 spelling
+        kind = scaling.pop("type")
+        if scaling.setdefault("rope_type", kind) != kind:
+            raise DrafterError(
+                f"rope scaling names two types: {kind!r} and {scaling['rope_type']!r}"
+            )
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise DrafterError(f"rope_theta = {theta!r}: expected a number")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        extra = sorted(set(scaling) - {"rope_type"})
+        if extra:
+            raise DrafterError(f"rope parameters {', '.join(extra)} given for default RoPE")
+        return float(theta), None
+    allowed = tuple(allowed)
+    if kind not in allowed:
+        raise DrafterError(
+            f"rope_type = {kind!r}: this format's runtime is only known to match Hugging Face"
+            f" for {', '.join(allowed) or 'plain RoPE'}"
+        )
+    return float(theta), scaling
+
+
+def _rope_kind(scaling: Mapping[str, Any]) -> str:
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def layer_kwargs(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The DecoderLayer fields a Hugging Face config states, class defaults for the rest
+    (llama: kv heads = heads, head_dim = hidden / heads)."""
+    value = {key: config.get(key, default) for key, default in defaults.items()}
+    hidden = integer(value["hidden_size"], "hidden_size")
+    heads = integer(value["num_attention_heads"], "num_attention_heads")
+    if value["num_key_value_heads"] is None:
+        value["num_key_value_heads"] = heads
+    if value["head_dim"] is None:
+        value["head_dim"] = hidden // heads
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": value["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": value["num_key_value_heads"],
+        "head_dim": value["head_dim"],
+        "rms_norm_eps": value["rms_norm_eps"],
+        "max_position_embeddings": value["max_position_embeddings"],
+        "hidden_act": value["hidden_act"],
+    }
+
+
+def build_layers(count: int, **fields: Any) -> tuple[DecoderLayer, ...]:
+    layers = []
+    for i in range(count):
+        values = dict(fields)
+        if values.pop("eagle3", False):
+            values["input"] = "embed_and_hidden" if i == 0 else "hidden"
+        with error_prefix(f"layers[{i}]."):
+            layers.append(DecoderLayer(**values))
+    return tuple(layers)
+
+
+def check_full_attention(config: Mapping[str, Any], count: int) -> None:
+    """Block formats here run every layer as full attention; sliding layers in a block follow
+    rules (a window per slot) the IR does not describe, so they are refused."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != count:
+            raise DrafterError(
+                f"layer_types = {layer_types!r}: expected {count} entries (num_hidden_layers)"
+            )
+        if any(kind != "full_attention" for kind in layer_types):
+            raise DrafterError(
+                f"layer_types = {layer_types!r}: sliding-window layers in a block are not"
+                " supported (their per-slot window is not what the IR describes)"
+            )
+        return
+    if config.get("use_sliding_window"):
+        first = config.get("max_window_layers", QWEN3_DEFAULTS["max_window_layers"])
+        if integer(first, "max_window_layers") < count:
+            raise DrafterError(
+                "use_sliding_window = true makes some layers sliding-window layers; not supported"
+            )
+
+
+def uniform_layers(spec: DrafterSpec, fmt: str) -> DecoderLayer:
+    """The one set of layer facts a single Hugging Face config can state."""
+    first = spec.layers[0]
+    for i, layer in enumerate(spec.layers[1:], start=1):
+        for name in (
+            "style",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+            "attention_bias",
+            "mlp_bias",
+            "hidden_act",
+            "sliding_window",
+            "attention",
+        ):
+            if getattr(layer, name) != getattr(first, name):
+                raise DrafterError(
+                    f"layers[{i}].{name} = {getattr(layer, name)!r} differs from layers[0]"
+                    f" ({getattr(first, name)!r}); {fmt} has one config for every layer"
+                )
+    return first
+
+
+def layer_config(layer: DecoderLayer, count: int) -> dict[str, Any]:
+    """The decoder keys of a Hugging Face config, with transformers-4 RoPE keys (every runtime
+    here reads those; transformers 5 converts them)."""
+    scaling = None if layer.rope_scaling is None else dict(layer.rope_scaling)
+    return {
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "num_hidden_layers": count,
+        "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads,
+        "head_dim": layer.head_dim,
+        "hidden_act": layer.hidden_act,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "rope_theta": layer.rope_theta,
+        "rope_scaling": scaling,
+        "attention_bias": layer.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def torch_dtype(drafter: Drafter) -> dict[str, str]:
+    dtypes = drafter.weights.dtypes
+    if len(dtypes) == 1 and next(iter(dtypes)) in TORCH_DTYPES:
+        return {"torch_dtype": TORCH_DTYPES[next(iter(dtypes))]}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def rename(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """Apply the first matching prefix rename."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def read_tensors(path: Path, renames: Sequence[tuple[str, str]] = ()) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors (memory-mapped) under canonical names: `renames` are
+    (stored prefix, canonical prefix) pairs."""
+    tensors: dict[str, np.ndarray] = {}
+    for name, array in read_checkpoint(path).items():
+        canonical = rename(name, renames)
+        if canonical in tensors:
+            raise DrafterError(f"{path}: tensors {name!r} and {canonical!r} both hold {canonical}")
+        tensors[canonical] = array
+    return tensors
+
+
+def output_tensors(
+    drafter: Drafter, renames: Sequence[tuple[str, str]] = ()
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The drafter's tensors under their stored names (the same arrays: nothing is copied)."""
+    tensors, sources = {}, {}
+    for name, array in drafter.weights.items():
+        stored = rename(name, renames)
+        tensors[stored] = array
+        sources[stored] = name
+    return tensors, sources
+
+
+def offsets_and_mask(drafter: Drafter) -> dict[str, np.ndarray]:
+    """`d2t` (int64 offsets: target id = i + d2t[i]) and `t2d` (bool over the target vocab)."""
+    spec, ids = drafter.spec, drafter.vocab.draft_to_target
+    t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(spec.draft_vocab_size, dtype=np.int64), "t2d": t2d}
+
+
+def vocab_from_offsets(
+    where: Path, d2t: np.ndarray | None, t2d: np.ndarray | None, draft_vocab: int, vocab: int
+) -> np.ndarray | None:
+    """Absolute target ids from `d2t` offsets (checked against `t2d` when present); None for a
+    full vocabulary (the runtimes here ignore both buffers then)."""
+    if draft_vocab == vocab:
+        return None
+    if d2t is None:
+        raise DrafterError(
+            f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but there is no d2t:"
+            " the draft-to-target map is missing (an identity map would be wrong)"
+        )
+    if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
+        raise DrafterError(
+            f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{draft_vocab}]"
+        )
+    ids = np.arange(draft_vocab, dtype=np.int64) + d2t.astype(np.int64)
+    if t2d is not None:
+        if t2d.shape != (vocab,) or t2d.dtype != np.bool_:
+            raise DrafterError(
+                f"{where}: t2d is {t2d.dtype} {list(t2d.shape)}, expected bool [{vocab}]"
+            )
+        if not np.array_equal(np.sort(ids), np.flatnonzero(t2d)):
+            raise DrafterError(
+                f"{where}: d2t and t2d disagree: i + d2t[i] does not give the target ids t2d"
+                " marks (is d2t stored as absolute ids instead of offsets?)"
+            )
+    return ids
+
+
+def write_output(output: Output, path: Path, *, force: bool) -> None:
+    with staged_directory(path, force=force) as out:
+        write_safetensors(out / WEIGHTS, output.tensors, {"format": "pt"}, digest=False)
+        write_json(out / CONFIG, output.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block drafters (z-lab DFlash, DeepSpec and SpecForge DSpark): Qwen3 layers run on
+# [anchor, MASK ...] with the fused context as extra keys/values, bidirectional in the block.
+
+BLOCK_KEYS = frozenset(
+    {
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "tie_word_embeddings",
+    }
+)
+
+
+def block_layers(config: Mapping[str, Any]) -> tuple[DecoderLayer, ...]:
+    count = integer(
+        config.get("num_hidden_layers", QWEN3_DEFAULTS["num_hidden_layers"]), "num_hidden_layers"
+    )
+    check_full_attention(config, count)
+    theta, scaling = read_rope(config)
+    return build_layers(
+        count,
+        style="qwen3",
+        input="hidden",
+        attention="block_bidirectional",
+        sliding_window=None,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=boolean(config.get("attention_bias", False), "attention_bias"),
+        mlp_bias=False,
+        **layer_kwargs(config, QWEN3_DEFAULTS),
+    )
+
+
+def check_block(spec: DrafterSpec, fmt: str) -> DecoderLayer:
+    """What every block format here fixes: hidden_norm(fc(concat taps)) without tap norm or fc
+    bias, taps as wide as the drafter, uniform full-attention Qwen3 layers, bidirectional in
+    the block. Returns the layer facts for the config."""
+    problems = []
+    fusion = spec.fusion
+    if fusion.tap_norm != "none" or not fusion.hidden_norm or fusion.fc_bias:
+        problems.append(
+            f"fusion tap_norm={fusion.tap_norm!r}, hidden_norm={fusion.hidden_norm},"
+            f" fc_bias={fusion.fc_bias} (it computes hidden_norm(fc(concat)) only)"
+        )
+    if spec.target.hidden_size != spec.hidden_size:
+        problems.append(
+            f"target hidden size {spec.target.hidden_size} != draft hidden size"
+            f" {spec.hidden_size} (its fc is n_taps * hidden_size wide)"
+        )
+    for i, layer in enumerate(spec.layers):
+        if layer.style != "qwen3":
+            problems.append(f"layers[{i}] style {layer.style!r} (its layers are Qwen3 layers)")
+        if layer.mlp_bias:
+            problems.append(f"layers[{i}] MLP biases")
+        if layer.sliding_window is not None or layer.attention != "block_bidirectional":
+            problems.append(
+                f"layers[{i}] {layer.attention} attention with window {layer.sliding_window}"
+                " (only full, bidirectional-in-block attention)"
+            )
+    if problems:
+        raise DrafterError(f"{fmt} cannot hold " + "; ".join(problems))
+    return uniform_layers(spec, fmt)
+
+
+def block_config(layer: DecoderLayer, spec: DrafterSpec) -> dict[str, Any]:
+    count = len(spec.layers)
+    config = {
+        "model_type": "qwen3",
+        **layer_config(layer, count),
+        "layer_types": ["full_attention"] * count,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": count,
+        "vocab_size": spec.target.vocab_size,
+    }
+    if spec.target.num_hidden_layers is not None:
+        config["num_target_layers"] = spec.target.num_hidden_layers
+    return config
