@@ -1,0 +1,311 @@
+"""`woodcock distill` and `woodcock train` on the offline tiny target: answers equal plain greedy
+decoding and resume, the training forward is the runtime drafter's function, training learns,
+resumes exactly, and writes a drafter that loads and decodes exactly."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_unflatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from woodcock.demo import CORPUS, write_tiny_target
+from woodcock.errors import DrafterError
+from woodcock.formats import woodcock as native
+from woodcock.loading import load_drafter
+from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.eagle3 import Eagle3Drafter
+from woodcock.runtime.target import MlxTarget
+from woodcock.train import train as T
+from woodcock.train.cli import app
+from woodcock.train.distill import ANSWERS, distill, read_answers
+
+MAX_TOKENS = 40
+STEPS = 60
+HEAD = 160
+
+
+def run_cli(args):
+    app(args, standalone_mode=False)
+
+
+def write_prompts(path, count, start=0):
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for i in range(start, start + count):
+            j = (7 * i) % (len(words) - 3)
+            f.write(
+                json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}) + "\n"
+            )
+    return path
+
+
+def greedy(model, prompt, max_tokens, eos=()):
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if token in eos:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = write_tiny_target(root / "target")
+    prompts = write_prompts(root / "prompts.jsonl", 30)
+    run_cli(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(root / "data"),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--batch",
+            "8",
+            "--no-chat",
+        ]
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(work):
+    out = work / "drafter"
+    run_cli(
+        [
+            "train",
+            "--target",
+            str(work / "target"),
+            "--data",
+            str(work / "data"),
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--ttt-steps",
+            "3",
+            "--head-size",
+            str(HEAD),
+            "--batch",
+            "4",
+            "--lr",
+            "2e-3",
+            "--holdout",
+            "0.2",
+            "--eval-every",
+            "30",
+            "--checkpoint-every",
+            "30",
+            "--max-len",
+            "96",
+        ]
+    )
+    return out
+
+
+def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
+    rows = read_answers(work / "data")
+    assert len(rows) == 30 and len({r["id"] for r in rows}) == 30
+    model, tokenizer = load(str(work / "target"))
+    for row in rows[:6]:
+        answer = row["answer_ids"]
+        assert 1 <= len(answer) <= MAX_TOKENS
+        assert answer == greedy(model, row["prompt_ids"], MAX_TOKENS)[: len(answer)]
+        assert row["finish_reason"] in ("stop", "length")
+
+    # a re-run over a longer prompt list answers only the new prompts; a torn last line (an
+    # interrupted run) is dropped and answered again
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = (work / "data" / ANSWERS).read_text().splitlines()
+    (data / ANSWERS).write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])
+    (data / "distill.json").write_text((work / "data" / "distill.json").read_text())
+    prompts = write_prompts(tmp_path / "more.jsonl", 33)
+    report = distill(
+        str(work / "target"), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False
+    )
+    assert (report.skipped, report.answered) == (10, 23)
+    again = read_answers(data)
+    assert sorted(r["id"] for r in again) == sorted(f"p{i}" for i in range(33))
+    by_id = {r["id"]: r for r in rows}
+    assert all(r["answer_ids"] == by_id[r["id"]]["answer_ids"] for r in again if r["id"] in by_id)
+    report = distill(
+        str(work / "target"), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False
+    )
+    assert (report.skipped, report.answered) == (33, 0)
+    with pytest.raises(DrafterError, match="max_tokens"):
+        distill(str(work / "target"), prompts, data, max_tokens=8, chat=False)
+
+
+def test_feature_cache_is_the_targets_taps_and_argmax(work, trained):
+    (cache_dir,) = (work / "data").glob("features-*")
+    index = [json.loads(line) for line in (cache_dir / "index.jsonl").read_text().splitlines()]
+    assert len(index) == 30
+    spec = load_drafter(trained).spec
+    width = len(spec.taps.layer_ids) * spec.target.hidden_size
+    rows = sum(e["length"] for e in index)
+    taps = np.fromfile(cache_dir / "taps.bin", np.float16).reshape(rows, width)
+    taps = T.from_fp16(taps, np.fromfile(cache_dir / "taps_exp.bin", np.int8).reshape(rows, -1))
+    final = np.fromfile(cache_dir / "final.bin", np.float16).reshape(rows, -1)
+    final = T.from_fp16(final, np.fromfile(cache_dir / "final_exp.bin", np.int8).reshape(rows, 1))
+    argmax = np.fromfile(cache_dir / "argmax.bin", np.int32)
+    model, _ = load(str(work / "target"))
+    target = MlxTarget(model, spec.taps.layer_ids)
+    head = target.shared_tensors()["lm_head.weight"]
+    for e in index[:3]:
+        s, n = e["start"], e["length"]
+        tokens = np.fromfile(cache_dir / "tokens.bin", np.int32)[s : s + n]
+        target.reset()
+        logits, expected = target.forward(mx.array(tokens))
+        np.testing.assert_allclose(taps[s : s + n], np.array(expected), rtol=2e-3, atol=2e-3)
+        assert (argmax[s : s + n] == np.array(mx.argmax(logits, axis=-1))).mean() > 0.95
+        np.testing.assert_allclose(
+            final[s : s + n].astype(np.float32) @ head.T, np.array(logits), atol=0.02
+        )
+
+
+def test_fp16_storage_keeps_massive_activations():
+    x = np.array([[3.0, -1e-3, 0.5, 2.0], [70000.0, -1.0, 1e5, 3e-3]], np.float32)
+    packed, exponent = T.to_fp16(mx.array(x), 2)
+    assert np.array(exponent).tolist() == [[0, 0], [2, 2]]
+    np.testing.assert_allclose(T.from_fp16(np.array(packed), np.array(exponent)), x, rtol=1e-3, atol=1e-6)
+
+
+def test_ttt_forward_is_the_runtime_chain_with_teacher_forcing(work):
+    """Training row P-1 at TTT step k gives the logits the runtime drafter gives at draft step
+    k+1 after context x_1..x_P, when its drafts are forced to be x_{P+1}, x_{P+2}, ..."""
+    model, _ = load(str(work / "target"))
+    runner = T.TargetRunner(str(work / "target"), (1, 2, 4))
+    vocab = runner.vocab_size
+    spec = T.build_spec(runner, str(work / "target"), (1, 2, 4), vocab, 3)
+    train_model = T.build_model(spec, runner.embedding, runner.head, runner.final_norm_weight(), 3)
+    weights = T.trained_weights(train_model)
+    rng = np.random.default_rng(0)
+    weights = {
+        k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in weights.items()
+    }
+    train_model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    from woodcock.ir import Drafter, VocabMap
+
+    drafter = Drafter(spec, VocabMap(), weights)
+    target = MlxTarget(model, spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    row = read_answers(work / "data")[0]
+    x = np.array(row["prompt_ids"] + row["answer_ids"], np.int32)
+    _, taps = target.forward(mx.array(x))
+    steps, length = 3, len(x)
+    tokens = np.concatenate([x, np.zeros(steps, np.int32)])
+    logits = T.ttt_logits(
+        train_model, mx.array(tokens[None, 1 : length - 1 + steps]), taps[None, : length - 1], steps
+    )
+    for p in (2, 9, length - steps - 1):
+        forced = iter(x[p + 1 : p + steps].tolist())
+        runtime.reset()
+        runtime.add_context(mx.array(x[1 : p + 1]), taps[:p])
+        _, chain = runtime.propose(steps, lambda _, it=forced: mx.array(next(it, 0)))
+        for k in range(steps):
+            np.testing.assert_allclose(np.array(logits[k][0, p - 1]), np.array(chain[k]), atol=2e-5)
+
+
+def test_trained_drafter_loads_learns_and_decodes_exactly(work, trained):
+    drafter = load_drafter(trained)
+    spec = drafter.spec
+    assert spec.algorithm.name == "eagle3" and spec.algorithm.norm_output
+    assert spec.algorithm.norm_before_residual and spec.fusion.tap_norm == "per_tap"
+    assert spec.taps.layer_ids == (1, 2, 4)  # 2, N//2, N-3 collide for a 4-layer target
+    assert spec.head.lm_head == "own" and spec.head.embedding == "shared"
+    assert spec.draft_vocab_size == HEAD and drafter.vocab.draft_to_target.shape == (HEAD,)
+    counts = drafter.vocab.counts
+    assert counts is not None and counts.counts.sum() == counts.info["tokens"] > 0
+    assert 0.5 < counts.info["holdout_coverage"][str(HEAD)] <= 1.0
+    # the head keeps the most frequent training tokens
+    kept = counts.counts[drafter.vocab.draft_to_target]
+    assert kept.min() >= np.delete(counts.counts, drafter.vocab.draft_to_target).max()
+
+    provenance = native.read_provenance(trained)
+    agreement, initial = provenance["holdout_agreement"], provenance["holdout_agreement_initial"]
+    assert len(agreement) == 3 and len(provenance["holdout_agreement_unconditional"]) == 3
+    assert agreement[0] > initial[0] + 0.2, (agreement, initial)
+    command = provenance["command"]
+    assert command[:3] == ["woodcock", "train", "--target"]
+    assert command[command.index("--steps") + 1] == str(STEPS) and "--lr" in command
+    assert provenance["recipe"]["head_size"] == HEAD and provenance["recipe"]["ttt_steps"] == 3
+    assert provenance["data"]["holdout_samples"] >= 1
+
+    log = [
+        json.loads(line)
+        for line in (trained.parent / "drafter.ckpt" / "log.jsonl").read_text().splitlines()
+    ]
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert len(losses) == STEPS
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05
+
+    model, tokenizer = load(str(work / "target"))
+    target = MlxTarget(model, spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    stats = Stats()
+    for prompt in ([5, 17, 33], read_answers(work / "data")[3]["prompt_ids"]):
+        expected = greedy(model, prompt, 48, tokenizer.eos_token_ids)
+        got = generate_tokens(
+            prompt,
+            target,
+            runtime,
+            max_tokens=48,
+            num_draft=3,
+            eos_ids=tokenizer.eos_token_ids,
+            stats=stats,
+        )
+        assert got == expected
+    assert stats.tokens_per_round > 1.3  # the trained drafter's drafts are accepted
+
+
+def test_resume_continues_with_the_same_losses(work, tmp_path):
+    def options(name, **kw):
+        settings = dict(
+            steps=10,
+            ttt_steps=2,
+            head_size=HEAD,
+            batch=3,
+            lr=2e-3,
+            holdout=0.2,
+            eval_every=100,
+            checkpoint_every=4,
+            max_len=64,
+        )
+        return T.TrainOptions(
+            target=str(work / "target"),
+            data=work / "data",
+            out=tmp_path / name,
+            **{**settings, **kw},
+        )
+
+    whole = T.train(options("whole"))
+
+    class Stop(Exception):
+        pass
+
+    def crash_at_6(phase, done, total):
+        if phase == "training" and done == 6:
+            raise Stop
+
+    with pytest.raises(Stop):
+        T.train(options("cut"), progress=crash_at_6)
+    with pytest.raises(DrafterError, match="--resume"):
+        T.train(options("cut"))
+    with pytest.raises(DrafterError, match="steps"):
+        T.train(options("cut", resume=True, steps=11))
+    resumed = T.train(options("cut", resume=True))
+    assert resumed.resumed_from == 4
+    assert resumed.losses == whole.losses[4:]  # bit for bit: same batches, same state
+    log = [
+        json.loads(line) for line in (tmp_path / "cut.ckpt" / "log.jsonl").read_text().splitlines()
+    ]
+    assert [e["step"] for e in log] == list(range(11))
+    assert resumed.holdout_agreement == whole.holdout_agreement

@@ -1,0 +1,236 @@
+"""`woodcock distill`: the target answers a set of prompts, greedily, in batches; resumable.
+
+Output directory:
+    answers.jsonl   one line per answered prompt, appended as each answer finishes:
+                    {"id", "prompt_ids", "answer_ids", "finish_reason"}. answer_ids are the
+                    tokens the target generated, including the EOS token when it stopped on one
+                    (finish_reason "stop"; "length" when it reached --max-tokens).
+    distill.json    how the answers were made (target, template, length cap, generator); a
+                    re-run must agree with it, so one directory never mixes two recipes.
+
+Generation is mlx-lm's own continuous-batching `BatchGenerator` (greedy sampler): up to
+`batch` answers decode together, a finished one makes room for the next prompt. It runs on the
+CPU backend and gives token for token what `generate_step` gives one prompt at a time (checked
+in the tests on the tiny target; batched arithmetic may still break exact ties differently on a
+real model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from woodcock.errors import DrafterError
+from woodcock.jsonfile import read_json_object, write_json
+
+ANSWERS = "answers.jsonl"
+META = "distill.json"
+META_VERSION = 1
+
+
+@dataclass
+class DistillReport:
+    prompts: int = 0  # in the prompts file
+    skipped: int = 0  # already answered by an earlier run
+    answered: int = 0  # answered by this run
+    prompt_tokens: int = 0
+    answer_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.answer_tokens / self.seconds if self.seconds else 0.0
+
+
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """(id, prompt) per line of a JSONL file of {"id", "prompt"} objects; ids must be unique."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise DrafterError(f"{path}: cannot be read ({e.strerror or e})") from None
+    prompts: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DrafterError(f"{path}:{number}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DrafterError(f"{path}:{number}: expected an object with a string 'prompt'")
+        ident = row.get("id")
+        if isinstance(ident, int) and not isinstance(ident, bool):
+            ident = str(ident)
+        if not isinstance(ident, str) or not ident:
+            raise DrafterError(f"{path}:{number}: id = {row.get('id')!r}: expected a string")
+        if ident in seen:
+            raise DrafterError(f"{path}:{number}: id {ident!r} occurs twice")
+        seen.add(ident)
+        prompts.append((ident, row["prompt"]))
+    if not prompts:
+        raise DrafterError(f"{path}: no prompts")
+    return prompts
+
+
+def read_answers(out: Path, *, repair: bool = False) -> list[dict]:
+    """The answers written so far. A last line cut short by an interrupted run is dropped (and,
+    with `repair`, cut off the file so appending continues cleanly); any other bad line is an
+    error."""
+    path = Path(out) / ANSWERS
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows: list[dict] = []
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        complete = end != -1
+        line = data[start : end if complete else len(data)]
+        try:
+            row = json.loads(line) if line.strip() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            row = False
+        if row is False or (row is not None and not _valid_answer(row)):
+            if complete:
+                raise DrafterError(f"{path}: line {len(rows) + 1} is not a valid answer record")
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(start)
+            break
+        if row is not None:
+            if not complete and repair:  # a whole record without its newline
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+            rows.append(row)
+        if not complete:
+            break
+        start = end + 1
+    return rows
+
+
+def _valid_answer(row) -> bool:
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("id"), str)
+        and _int_list(row.get("prompt_ids"))
+        and _int_list(row.get("answer_ids"))
+    )
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+def distill(
+    target: str,
+    prompts_file: Path,
+    out: Path,
+    *,
+    max_tokens: int = 256,
+    batch: int = 8,
+    chat: bool = True,
+    system: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> DistillReport:
+    """Answer every prompt of `prompts_file` not yet answered in `out`. progress(done, total)
+    is called as answers finish."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from woodcock.runtime.generate import encode_prompt
+
+    if max_tokens < 1 or batch < 1:
+        raise DrafterError(f"--max-tokens {max_tokens}, --batch {batch}: expected at least 1")
+    out = Path(out)
+    prompts = read_prompts(prompts_file)
+    meta = {
+        "version": META_VERSION,
+        "target": str(target),
+        "max_tokens": max_tokens,
+        "chat": chat,
+        "system": system,
+        "decoding": "greedy",
+        "generator": "mlx_lm.generate.BatchGenerator",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / META
+    if meta_path.exists():
+        recorded = read_json_object(meta_path)
+        differing = [
+            k for k in ("target", "max_tokens", "chat", "system") if recorded.get(k) != meta[k]
+        ]
+        if differing:
+            k = differing[0]
+            raise DrafterError(
+                f"{meta_path}: the answers there were made with {k} = {recorded.get(k)!r}, this"
+                f" run asks for {meta[k]!r}; use another --out directory"
+            )
+        meta = {**recorded, "prompts_files": _add(recorded.get("prompts_files"), prompts_file)}
+    else:
+        meta["prompts_files"] = [str(prompts_file)]
+    done = {row["id"] for row in read_answers(out, repair=True)}
+    pending = [(ident, text) for ident, text in prompts if ident not in done]
+    report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
+    model, tokenizer = load(str(target))
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)  # half-precision matmuls have no BLAS path on CPU
+    meta["eos_ids"] = sorted(int(t) for t in tokenizer.eos_token_ids)
+    write_json(meta_path, meta)
+    if progress:
+        progress(report.skipped, report.prompts)
+    if not pending:
+        return report
+    encoded = [encode_prompt(tokenizer, text, chat=chat, system=system) for _, text in pending]
+    start = time.perf_counter()
+    generator = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=batch,
+        prefill_batch_size=batch,
+    )
+    try:
+        uids = generator.insert(encoded, [max_tokens] * len(encoded))
+        by_uid = {uid: i for i, uid in enumerate(uids)}
+        answers: dict[int, list[int]] = {uid: [] for uid in uids}
+        with open(out / ANSWERS, "a", encoding="utf-8") as f:
+            while responses := generator.next_generated():
+                for r in responses:
+                    answers[r.uid].append(int(r.token))
+                    if r.finish_reason is None:
+                        continue
+                    i = by_uid[r.uid]
+                    record = {
+                        "id": pending[i][0],
+                        "prompt_ids": [int(t) for t in encoded[i]],
+                        "answer_ids": answers.pop(r.uid),
+                        "finish_reason": r.finish_reason,
+                    }
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
+                    report.answered += 1
+                    report.prompt_tokens += len(record["prompt_ids"])
+                    report.answer_tokens += len(record["answer_ids"])
+                    if progress:
+                        progress(report.skipped + report.answered, report.prompts)
+            os.fsync(f.fileno())
+    finally:
+        generator.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _add(files, path: Path) -> list[str]:
+    files = list(files) if isinstance(files, list) else []
+    if str(path) not in files:
+        files.append(str(path))
+    return files
