@@ -501,7 +501,7 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
             next(iter(dtypes))
         )
     with staged_directory(path, force=force) as out:
-        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+        write_safetensors(out / "model.safetensors", tensors, {"format": "pt"}, digest=False)
         write_json(out / "config.json", config)
 
 

@@ -50,12 +50,18 @@ def _options(
 def inspect(
     path: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+    taps: Annotated[
+        str | None,
+        typer.Option(
+            "--taps", help="Canonical tap ids, for formats that do not record them (SafeAILab)."
+        ),
+    ] = None,
 ) -> None:
     """Describe a drafter: format, algorithm, taps in both conventions, fusion, layers, head,
     vocabulary, parameters, dtypes and warnings."""
     from woodcock.inspection import describe, render_text
 
-    report = describe(path)
+    report = describe(path, taps=_parse_taps(taps))
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from woodcock.converters.layer_ids import from_canonical
@@ -43,9 +44,9 @@ def drafter_warnings(drafter: Drafter) -> list[str]:
     return warnings
 
 
-def describe(source: str) -> dict[str, Any]:
+def describe(source: str, *, taps: Sequence[int] | None = None) -> dict[str, Any]:
     path = resolve_source(source)
-    drafter, fmt = load_drafter_with_format(path)
+    drafter, fmt = load_drafter_with_format(path, taps=taps)
     spec = drafter.spec
     ids = spec.taps.layer_ids
     vocab: dict[str, Any] = {
