@@ -208,13 +208,14 @@ def parity(
 @app.command()
 def generate(
     drafter: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--drafter",
             help="Drafter directory or id; PATH@N keeps the N most frequent tokens' head rows"
-            " (by the drafter's token counts), PATH@COUNTS:N by a vocab_counts.npz.",
+            " (by the drafter's token counts), PATH@COUNTS:N by a vocab_counts.npz; 'ngram' for"
+            " prompt lookup (default: the shipped drafter of the default target).",
         ),
-    ],
+    ] = None,
     target: Annotated[
         str | None,
         typer.Option(
@@ -278,7 +279,7 @@ def generate(
     sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if seed is not None:
         mx.random.seed(seed)
-    session = open_session(_resolve_target(target), drafter, dtype=dtype)
+    session = open_session(*_resolve_pair(target, drafter), dtype=dtype)
     chosen_policy = parse_policy(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
     )
@@ -368,7 +369,7 @@ def latency(
         lengths = [int(c) for c in contexts.split(",")]
     except ValueError:
         raise DrafterError(f"--contexts {contexts!r}: expected comma-separated lengths") from None
-    target = _resolve_target(target)
+    target, drafter = _resolve_pair(target, drafter)
     session = open_session(target, drafter, dtype=dtype, many_heads=True)
     drafters = {"full": session.drafter_with_head(None)}
     for size in session.choice.head_sizes:
@@ -404,7 +405,9 @@ def latency(
 
 @app.command()
 def bench(
-    drafter: Annotated[str, typer.Option("--drafter", help="Drafter (as for generate).")],
+    drafter: Annotated[
+        str | None, typer.Option("--drafter", help="Drafter (as for generate).")
+    ] = None,
     target: Annotated[
         str | None,
         typer.Option(
@@ -435,7 +438,7 @@ def bench(
     from woodcock.runtime.session import open_session
 
     selected = load_prompts(domains.split(","), limit_per_domain=prompts)
-    session = open_session(_resolve_target(target), drafter, dtype=dtype)
+    session = open_session(*_resolve_pair(target, drafter), dtype=dtype)
 
     def make_policy():
         return parse_policy(
@@ -496,12 +499,17 @@ def demo(
     )
 
 
-def _resolve_target(target: str | None) -> str:
-    from woodcock.default_target import DEFAULT_TARGET, default_target_path
+def _resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
+    """The default target (SmolLM2-135M-Instruct, converted once) and, for it, the shipped
+    drafter, where the user names neither."""
+    from woodcock.default_target import DEFAULT_TARGET, default_drafter_path, default_target_path
 
-    if target is None or target == DEFAULT_TARGET:
-        return str(default_target_path())
-    return target
+    default = target is None or target == DEFAULT_TARGET
+    if drafter is None:
+        if not default:
+            raise DrafterError("--drafter is required with a target other than the default one")
+        drafter = str(default_drafter_path())
+    return (str(default_target_path()) if default else target), drafter
 
 
 def _retarget(drafter, name_or_path: str):
