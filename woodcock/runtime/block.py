@@ -1,6 +1,6 @@
 """DFlash and DSpark block drafters on MLX: the torch reference's function
 (`TorchDrafter.fuse`, `block_forward`, `markov_heads`, `block_draft`), shaped for the speculative
-decoding loop (`woodcock.runtime.decode.Drafter`).
+decoding loop (`woodcock.runtime.decode.RuntimeDrafter`).
 
 State between rounds: a per-layer cache of the context's keys and values (after k_norm and
 RoPE), one row per verified position 0..p-1, and the anchor (the token at position p, not yet

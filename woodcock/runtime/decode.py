@@ -24,7 +24,7 @@ PREFILL_CHUNK = 512
 GREEDY = Sampling()
 
 
-class Drafter(Protocol):
+class RuntimeDrafter(Protocol):
     head_target_ids: mx.array  # [Vh] target id of each draft-head row
 
     def reset(self) -> None: ...
@@ -71,7 +71,7 @@ class Stats:
 def speculative_generate_step(
     prompt: Sequence[int],
     target: MlxTarget,
-    drafter: Drafter,
+    drafter: RuntimeDrafter,
     *,
     num_draft: int | None = None,
     policy=None,
@@ -128,7 +128,9 @@ def speculative_generate_step(
         yield bonus.item(), False
 
 
-def _verified_prefix(policy, context: int, drafter: Drafter, drafts: mx.array, logits: mx.array):
+def _verified_prefix(
+    policy, context: int, drafter: RuntimeDrafter, drafts: mx.array, logits: mx.array
+):
     """Let the policy cut the drafts short from the drafter's own scores: the probability of
     each drafted token under its logits and, for block drafters, the confidence head."""
     chosen = drafter.head_target_ids[None, :] == drafts[:, None]  # [k, Vh]
@@ -154,7 +156,7 @@ def _prefill(target: MlxTarget, prompt: mx.array) -> tuple[mx.array, mx.array]:
 def generate_tokens(
     prompt: Sequence[int],
     target: MlxTarget,
-    drafter: Drafter,
+    drafter: RuntimeDrafter,
     *,
     max_tokens: int,
     num_draft: int | None = None,
