@@ -39,6 +39,7 @@ import json, sys, time
 from woodcock.cli import main
 import woodcock.converters.dtype, woodcock.converters.target, woodcock.converters.vocab
 import woodcock.formats.detect, woodcock.loading, woodcock.target_files  # what convert imports
+import typer._adapters  # what typer imports when it parses options (pydantic, when installed)
 start = time.perf_counter()
 try:
     main(sys.argv[1:])

@@ -512,6 +512,13 @@ def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
     name = algorithm.name
     if spec.fusion.fc_bias:
         raise DrafterError("speculators cannot hold fusion.fc_bias = true (its fc has no bias)")
+    if spec.draft_vocab_size < spec.target.vocab_size and spec.head.lm_head == "shared":
+        # speculators itself would slice the target's head; vLLM refuses to load the drafter
+        raise DrafterError(
+            f"a reduced draft vocabulary ({spec.draft_vocab_size} of {spec.target.vocab_size}"
+            " ids) with the target's lm_head: vLLM needs the drafter's own lm_head rows; pass"
+            " --target to copy them in"
+        )
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[name]],
         "speculators_model_type": name,

@@ -32,7 +32,7 @@ from woodcock.ir import (
     to_dict,
 )
 from woodcock.jsonfile import read_json_object, write_json
-from woodcock.staging import staged_directory
+from woodcock.staging import check, staged_directory
 from woodcock.tensorfile import (
     dtype_name,
     file_sha256,
@@ -115,8 +115,9 @@ def write(
 
 
 def read(path: Path, *, verify: bool = True, taps: Sequence[int] | None = None) -> Drafter:
-    """Load a native drafter; weights stay memory-mapped. `verify` checks every sha256. The
-    format records its taps: `taps`, if given, must agree with them."""
+    """Load a native drafter; weights stay memory-mapped. `verify` checks every sha256 (the
+    weights' through `staging.check`: in a thread when a conversion overlaps it with writing).
+    The format records its taps: `taps`, if given, must agree with them."""
     path = Path(path)
     manifest = _read_manifest(path)
     if verify:
@@ -202,6 +203,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _verify_files(path: Path, files: dict[str, dict]) -> None:
+    """Sizes first, then the small files' sha256s, then the weights' (in the background when
+    the caller allows it)."""
     for name, entry in files.items():
         file = path / name
         if not file.is_file():
@@ -211,12 +214,20 @@ def _verify_files(path: Path, files: dict[str, dict]) -> None:
             raise DrafterError(
                 f"{file}: {size} bytes, the manifest says {entry['bytes']} (damaged or replaced)"
             )
-        digest = file_sha256(file)
-        if digest != entry["sha256"]:
-            raise DrafterError(
-                f"{file}: sha256 {digest[:16]}... does not match the manifest's"
-                f" {entry['sha256'][:16]}... (damaged or replaced)"
-            )
+    for name, entry in sorted(files.items(), key=lambda item: item[0] == WEIGHTS):
+        if name == WEIGHTS:
+            check(lambda file=path / name, entry=entry: _verify_sha256(file, entry["sha256"]))
+        else:
+            _verify_sha256(path / name, entry["sha256"])
+
+
+def _verify_sha256(file: Path, expected: str) -> None:
+    digest = file_sha256(file)
+    if digest != expected:
+        raise DrafterError(
+            f"{file}: sha256 {digest[:16]}... does not match the manifest's"
+            f" {expected[:16]}... (damaged or replaced)"
+        )
 
 
 def _check_tensor_table(path: Path, table: list) -> None:

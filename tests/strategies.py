@@ -124,7 +124,8 @@ def specs(draw):
 def speculators_representable(spec: DrafterSpec) -> DrafterSpec:
     """The nearest spec the speculators format can hold: one layer config for all layers, one
     sliding window and one in-block causality for all sliding layers, no fc bias, qwen3 layers
-    and hidden_norm(fc(concat)) fusion for block drafters."""
+    and hidden_norm(fc(concat)) fusion for block drafters, an own lm_head for a reduced draft
+    vocabulary (what vLLM needs)."""
     import dataclasses
 
     block = spec.is_block
@@ -150,4 +151,7 @@ def speculators_representable(spec: DrafterSpec) -> DrafterSpec:
     fusion = dataclasses.replace(spec.fusion, fc_bias=False)
     if block:
         fusion = Fusion(tap_norm="none", fc_bias=False, hidden_norm=True)
-    return dataclasses.replace(spec, layers=layers, fusion=fusion)
+    head = spec.head
+    if spec.draft_vocab_size < spec.target.vocab_size:
+        head = dataclasses.replace(head, lm_head="own")
+    return dataclasses.replace(spec, layers=layers, fusion=fusion, head=head)

@@ -228,6 +228,52 @@ def test_the_refusals_say_why(tmp_path, capsys):
         assert not (tmp_path / f"d{i}").exists()
 
 
+@pytest.mark.parametrize("dest_format", ["speculators", "woodcock"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_source_failing_its_sha256_leaves_no_output(tmp_path, capsys, dest_format, dry_run):
+    """The weights' sha256 is checked while the output is written: a mismatch still fails the
+    conversion with the manifest's line, and nothing appears (not even a plan)."""
+    source = tmp_path / "src"
+    format_named("woodcock").write(make(CASES["eagle3-reduced-vocab"][0]), source)
+    weights = source / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF  # in the last tensor's data: the file still parses
+    weights.write_bytes(bytes(data))
+    dest = tmp_path / "out"
+    code, out, err = run(
+        ["convert", str(source), str(dest), "--to", dest_format] + ["--dry-run"] * dry_run,
+        capsys,
+    )
+    assert code == 2 and "model.safetensors: sha256" in err and "does not match" in err, err
+    assert len(err.strip().splitlines()) == 1 and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_background_checks_gate_the_staged_output(tmp_path):
+    import threading
+
+    from woodcock.staging import check, checks_in_background, staged_directory
+
+    release, ran_in = threading.Event(), []
+
+    def failing_check():
+        ran_in.append(threading.get_ident())
+        release.wait(10)
+        raise DrafterError("source: damaged")
+
+    with pytest.raises(DrafterError, match="source: damaged"):
+        with checks_in_background():
+            check(failing_check)
+            with staged_directory(tmp_path / "out") as staging:
+                (staging / "file").write_text("written before the check ended")
+                release.set()
+    assert ran_in and ran_in[0] != threading.get_ident()
+    assert list(tmp_path.iterdir()) == []
+    calls = []  # outside the block a check runs at once, in this thread
+    check(lambda: calls.append(threading.get_ident()))
+    assert calls == [threading.get_ident()]
+
+
 def test_block_formats_need_the_target_layer_count(tmp_path, capsys, target_dir):
     source = tmp_path / "speculators"
     format_named("speculators").write(make(CASES["dflash"][0]), source)
@@ -269,7 +315,7 @@ def test_a_fused_bias_or_concat_norm_is_refused_by_every_research_format(tmp_pat
 
 
 def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
-    from woodcock.tensorfile import read_header, read_safetensors, write_safetensors
+    from woodcock.tensorfile import file_sha256, read_header, read_safetensors, write_safetensors
 
     rng = np.random.default_rng(0)
     arrays = {
@@ -294,7 +340,12 @@ def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
         "fresh": rng.standard_normal(32).astype(np.float32),  # in memory
     }
     assert write_safetensors(tmp_path / "plain.safetensors", tensors, digest=False) == ""
-    write_safetensors(tmp_path / "hashed.safetensors", tensors)
+    digest = write_safetensors(tmp_path / "hashed.safetensors", tensors)
+    assert digest == file_sha256(tmp_path / "hashed.safetensors")
+    # hashing changes nothing in what is written
+    assert (tmp_path / "hashed.safetensors").read_bytes() == (
+        tmp_path / "plain.safetensors"
+    ).read_bytes()
     for name in ("plain", "hashed"):
         again, _ = read_safetensors(tmp_path / f"{name}.safetensors")
         assert set(again) == set(tensors)

@@ -281,6 +281,7 @@ def test_ir_is_frozen_and_weights_are_read_only():
 
 def test_parameter_counts_split_own_and_shared():
     spec = tiny_spec("dflash", draft_vocab_size=40)
+    spec = dataclasses.replace(spec, head=Head(lm_head="shared", embedding="shared"))
     counts = random_drafter(spec).parameter_counts()
     assert counts["shared"] == 96 * 32 + 40 * 32
     assert counts["own"] == sum(int(np.prod(s)) for s in spec.tensor_shapes().values())

@@ -158,34 +158,41 @@ def convert(
     from woodcock.converters.vocab import apply_options
     from woodcock.formats.detect import format_named
     from woodcock.loading import load_drafter_with_format
+    from woodcock.staging import checks_in_background
     from woodcock.target_files import load_target_tensors, target_from_config
 
     writer = format_named(to)
-    drafter, reader = load_drafter_with_format(source, source_format, taps=_parse_taps(taps))
-    original = drafter
-    if target is not None:
-        drafter = attach_target(drafter, target_from_config(target))
-        if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's
-            drafter = fill_shared(drafter, load_target_tensors(target))
-    drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
-    if dtype is not None:
-        drafter = cast(drafter, dtype)
-    if dry_run:
-        from woodcock.convert_plan import plan
+    # the source's sha256s are checked while the output is written; it is renamed into place
+    # only once they pass
+    with checks_in_background():
+        drafter, reader = load_drafter_with_format(source, source_format, taps=_parse_taps(taps))
+        original = drafter
+        if target is not None:
+            drafter = attach_target(drafter, target_from_config(target))
+            if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's
+                drafter = fill_shared(drafter, load_target_tensors(target))
+        drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
+        if dtype is not None:
+            drafter = cast(drafter, dtype)
+        if dry_run:
+            from woodcock.convert_plan import plan
 
-        typer.echo("\n".join(plan(source, original, reader, drafter, writer, dest)))
+            lines = plan(source, original, reader, drafter, writer, dest)
+        else:
+            if target_name is not None:
+                drafter = _retarget(drafter, target_name)
+            if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
+                from woodcock.loading import resolve_source
+
+                provenance = reader.read_provenance(resolve_source(source))
+                writer.write(drafter, Path(dest), force=force, provenance=provenance)
+            else:
+                writer.write(drafter, Path(dest), force=force)
+    if dry_run:
+        typer.echo("\n".join(lines))
         if vocab_line:
             typer.echo(vocab_line)
         return
-    if target_name is not None:
-        drafter = _retarget(drafter, target_name)
-    if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
-        from woodcock.loading import resolve_source
-
-        provenance = reader.read_provenance(resolve_source(source))
-        writer.write(drafter, Path(dest), force=force, provenance=provenance)
-    else:
-        writer.write(drafter, Path(dest), force=force)
     spec = drafter.spec
     typer.echo(
         f"{source} ({reader.NAME}) -> {dest} ({writer.NAME}): {spec.algorithm.name},"

@@ -109,6 +109,9 @@ def tiny_spec(
         taps=Taps((1, target_layers // 2, target_layers - 1)),
         fusion=Fusion(tap_norm=tap_norm, fc_bias=False, hidden_norm=block),
         layers=layers,
-        head=Head(lm_head="own" if not block else "shared", embedding="shared"),
+        # a reduced vocabulary comes with its own head rows (what vLLM needs)
+        head=Head(
+            lm_head="shared" if block and not draft_vocab_size else "own", embedding="shared"
+        ),
         draft_vocab_size=draft_vocab_size or vocab_size,
     )

@@ -11,9 +11,11 @@ import hashlib
 import json
 import mmap
 import os
+import queue
 import struct
+import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -41,7 +43,7 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 # A header larger than this is not a drafter's (speculators headers are a few kB per tensor).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-HASH_CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = 16 * 1024 * 1024
 
 
 def dtype_name(array: np.ndarray) -> str:
@@ -191,10 +193,12 @@ def write_safetensors(
     digest: bool = True,
 ) -> str:
     """Write tensors one at a time (memory maps stay maps) and return the file's sha256 ("" with
-    digest=False, which saves a hashing pass when nobody records the sum). Tensors are stored in
-    name order; with digest=False those still as they are in a mapped file keep that file's
-    order among themselves, so the kernel can copy them page for page."""
-    names = sorted(tensors) if digest else _source_order(tensors, sorted(tensors))
+    digest=False, which saves the hashing when nobody records the sum). Tensors are stored in
+    name order, except that those still as they are in a mapped file keep that file's order
+    among themselves, so the kernel can copy them page for page. The sha256 is computed by a
+    second thread, piece by piece right behind the writing, so on two cores it costs about the
+    time of hashing alone, not hashing plus writing."""
+    names = _source_order(tensors, sorted(tensors))
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in names:
@@ -209,22 +213,80 @@ def write_safetensors(
     encoded += b" " * (
         -len(encoded) % 8
     )  # data starts 8-byte aligned, as the reference writer does
-    if not digest:
-        encoded += b" " * _alignment_padding(tensors, names, [header[n] for n in names], encoded)
-        _write_unhashed(path, [struct.pack("<Q", len(encoded)), encoded], tensors, names)
-        return ""
-    prefix = [struct.pack("<Q", len(encoded)), encoded]
-    hasher = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in _chunks(prefix, tensors, names):
-            hasher.update(chunk)
-            f.write(chunk)
-    return hasher.hexdigest()
+    encoded += b" " * _alignment_padding(tensors, names, [header[n] for n in names], encoded)
+    hasher = _BackgroundHasher() if digest else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for part in (struct.pack("<Q", len(encoded)), encoded):
+            _write_all(fd, memoryview(part))
+            if hasher:
+                hasher.add(memoryview(part))
+        for name in names:
+            _write_tensor(fd, tensors[name], hasher)
+        return hasher.hexdigest() if hasher else ""
+    finally:
+        os.close(fd)
+        if hasher:
+            hasher.stop()
+
+
+class _BackgroundHasher:
+    """sha256 of the pieces handed to `add`, in order, computed by a thread of its own (hashlib
+    releases the GIL on large updates). At most `depth` pieces wait, which bounds how far the
+    writer runs ahead and so how many source pages are mapped at once; a piece's `done`
+    callback (page release) runs once it is hashed."""
+
+    def __init__(self, depth: int = 2):
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
+
+    def add(self, piece: memoryview, done: Callable[[], None] | None = None) -> None:
+        self._queue.put((piece, done))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            piece, done = item
+            self._sha.update(piece)
+            if done:
+                done()
+
+    def hexdigest(self) -> str:
+        self.stop()
+        return self._sha.hexdigest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+def _write_tensor(fd: int, array: np.ndarray, hasher: _BackgroundHasher | None) -> None:
+    """Write one tensor in pieces: each copied by the kernel when the array is still as it is in
+    a mapped file, else written from memory; then hashed (if at all) and its mapped pages
+    released, so the process never holds more than a few pieces of a source file."""
+    where = _file_offset(array)
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    mapped = _mmap_of(raw)
+    for start in range(0, raw.size, CHUNK_BYTES):
+        piece = raw[start : start + CHUNK_BYTES]
+        copied = where is not None and _kernel_copy(
+            fd, _MAPPED_FILES[where[0]], where[1] + start, piece.size
+        )
+        if not copied:
+            where = None  # the kernel could not: write by hand from here on
+            _write_all(fd, memoryview(piece))
+        release = (lambda p=piece: _release(mapped, p)) if mapped is not None else None
+        if hasher:
+            hasher.add(memoryview(piece), release)
+        elif release and not copied:
+            release()
 
 
 # The file behind each memory map read_safetensors made (a duplicate descriptor, closed with
-# the map): without a digest to compute, a tensor still as it is in its file is copied by the
-# kernel (copy_file_range), as fast as copying the file, and never enters this process.
+# the map): a tensor still as it is in its file is copied by the kernel (copy_file_range), as
+# fast as copying the file, and enters this process only to be hashed.
 _MAPPED_FILES: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
 
 
@@ -285,63 +347,33 @@ def _alignment_padding(
     return pad if pad % 8 == 0 else 0
 
 
-def _write_unhashed(
-    path: Path, prefix: list[bytes], tensors: Mapping[str, np.ndarray], names: list[str]
-) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        for part in prefix:
-            _write_all(fd, memoryview(part))
-        for name in names:
-            array = tensors[name]
-            if not _kernel_copy(fd, array):
-                for chunk in _chunks([], {name: array}, [name]):
-                    _write_all(fd, chunk)
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         data = data[os.write(fd, data) :]
 
 
-def _kernel_copy(fd: int, array: np.ndarray) -> bool:
-    """Copy a C-contiguous view of a mapped file straight from that file; False when the array
-    is not one, or the kernel cannot do it (e.g. across file systems on old kernels) before
-    any byte was written."""
-    where = _file_offset(array)
-    if where is None:
-        return False
-    source, offset = _MAPPED_FILES[where[0]], where[1]
+def _kernel_copy(fd: int, source: int, offset: int, size: int) -> bool:
+    """Append `size` bytes of file `source` from `offset` to `fd` without passing them through
+    this process; False when the kernel cannot (e.g. across file systems on old kernels)
+    before any byte was copied. A copy it stops half-way is finished by hand."""
     done = 0
-    while done < array.nbytes:
+    while done < size:
         try:
-            copied = os.copy_file_range(source, fd, array.nbytes - done, offset + done)
+            copied = os.copy_file_range(source, fd, size - done, offset + done)
         except OSError:
             copied = 0
         if copied == 0:
             if done == 0:
                 return False
-            # finish by hand what the kernel started
-            rest = array.reshape(-1).view(np.uint8)[done:]
-            for start in range(0, rest.size, HASH_CHUNK_BYTES):
-                _write_all(fd, memoryview(rest[start : start + HASH_CHUNK_BYTES]))
+            while done < size:
+                part = os.pread(source, min(CHUNK_BYTES, size - done), offset + done)
+                if not part:
+                    raise DrafterError(f"source file ended {size - done} bytes early while copying")
+                _write_all(fd, memoryview(part))
+                done += len(part)
             return True
         done += copied
     return True
-
-
-def _chunks(prefix: list[bytes], tensors: Mapping[str, np.ndarray], names: Iterable[str]):
-    yield from prefix
-    for name in names:
-        array = np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8)
-        mapped = _mmap_of(array)
-        raw = memoryview(array)
-        for start in range(0, len(raw), HASH_CHUNK_BYTES):
-            yield raw[start : start + HASH_CHUNK_BYTES]
-            if mapped is not None:
-                _release(mapped, array[start : start + HASH_CHUNK_BYTES])
 
 
 def _mmap_of(array: np.ndarray) -> mmap.mmap | None:
@@ -373,6 +405,6 @@ def _release(mapped: mmap.mmap, part: np.ndarray) -> None:
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
+        while chunk := f.read(CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()

