@@ -9,6 +9,7 @@ layer_output: id i = output of decoder layer i (0-based) = after_layers id i + 1
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 from woodcock.errors import DrafterError
 from woodcock.ir import CANONICAL_LAYER_CONVENTION
@@ -40,3 +41,12 @@ def from_canonical(ids: Sequence[int], convention: str) -> tuple[int, ...]:
             " (the embedding output)"
         )
     return stored
+
+
+def stored_ids(spec, fmt: ModuleType) -> list[int] | None:
+    """A spec's taps as format module `fmt` stores them (None: it does not store them): the
+    format's own `stored_taps` where it has one (DeepSpec names the embedding output -1), else
+    its declared convention applied."""
+    if hasattr(fmt, "stored_taps"):
+        return fmt.stored_taps(spec)
+    return list(from_canonical(spec.taps.layer_ids, fmt.LAYER_CONVENTION))

@@ -23,6 +23,7 @@ reader takes the IR's default.
 
 from __future__ import annotations
 
+import struct
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from woodcock.ir import (
     Weights,
     error_prefix,
 )
+from woodcock.tensorfile import map_file
 
 NAME = "safeailab"
 LAYER_CONVENTION = CANONICAL_LAYER_CONVENTION
@@ -215,7 +217,57 @@ def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
             except TypeError:
                 raise DrafterError(f"{file}: tensor {name!r} has dtype {tensor.dtype}") from None
         arrays[name] = array
-    return arrays
+    return _as_file_views(file, state, arrays)
+
+
+def _as_file_views(file: Path, state: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays as views of our own map of the file instead of torch's, so that a conversion
+    copies them in the kernel and releases their pages as it goes. torch.load(mmap=True) maps
+    the whole file at one address, so every storage lies at base + its record's offset in the
+    zip; when that does not hold (another torch), torch's views are kept."""
+    storages = sorted(
+        {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in state.values()
+            if t.untyped_storage().nbytes()
+        }.items()
+    )
+    records = _storage_records(file)
+    if len(storages) != len(records) or not records:
+        return arrays
+    bases = {ptr - offset for (ptr, _), (offset, _) in zip(storages, records, strict=True)}
+    if len(bases) != 1 or any(a[1] != b[1] for a, b in zip(storages, records, strict=True)):
+        return arrays
+    base = bases.pop()
+    mapped = map_file(file)
+    views = {}
+    for name, array in arrays.items():
+        if array.nbytes == 0 or not array.flags.c_contiguous:
+            views[name] = array
+            continue
+        offset = array.__array_interface__["data"][0] - base
+        views[name] = np.frombuffer(
+            mapped, dtype=array.dtype, count=array.size, offset=offset
+        ).reshape(array.shape)
+    return views
+
+
+def _storage_records(file: Path) -> list[tuple[int, int]]:
+    """(offset in the file, size) of each non-empty stored `*/data/<key>` record of a torch zip
+    file, in file order."""
+    records = []
+    with zipfile.ZipFile(file) as archive, open(file, "rb") as f:
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) != 3 or parts[1] != "data" or not info.file_size:
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                return []
+            f.seek(info.header_offset)
+            local = f.read(30)  # the local header: its name and extra lengths can differ
+            name_length, extra_length = struct.unpack("<HH", local[26:30])
+            records.append((info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return sorted(records)
 
 
 # ---------------------------------------------------------------------------------------------

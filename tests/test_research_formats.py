@@ -8,7 +8,7 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_same_drafter
+from helpers import assert_same_drafter, base_is_mmap
 
 from woodcock.cli import main
 from woodcock.errors import DrafterError
@@ -165,6 +165,11 @@ def test_safeailab_reads_pytorch_model_bin_first(tmp_path):
     weight = drafter.weights["layers.0.self_attn.q_proj.weight"]
     assert weight.dtype == ml_dtypes.bfloat16
     assert weight.tobytes() == tensors["midlayer.self_attn.q_proj.weight"].tobytes()
+    # views of the file itself (not of torch's map): converting copies and releases them
+    assert all(base_is_mmap(a) for a in drafter.weights.values())
+    assert drafter.weights["embed_tokens.weight"].tobytes() == (
+        state["embed_tokens.weight"].view(torch.int16).numpy().tobytes()
+    )
     (path / "pytorch_model.bin").write_bytes(b"not a zip")
     with pytest.raises(DrafterError, match="not a readable torch state dict"):
         safeailab.read(path, taps=[2, 4, 5])
@@ -761,6 +766,26 @@ def test_inspect_shows_stored_and_canonical_ids(zlab_dir, capsys):
     out = capsys.readouterr().out
     assert "format      zlab-dflash" in out
     assert "[2, 4, 6] (after_layers) canonical; stored as [1, 3, 5] (layer_output)" in out
+
+
+def test_inspect_names_deepspecs_embedding_tap_and_safeailabs_missing_ids(
+    deepspec_dir, safeailab_dir, capsys
+):
+    for argv, expected in (
+        (
+            ["inspect", str(deepspec_dir)],
+            "[0, 4, 6] (after_layers) canonical; stored as [-1, 3, 5] (layer_output)",
+        ),
+        (
+            ["inspect", str(safeailab_dir[0]), "--taps", "2,4,5"],
+            "[2, 4, 5] (after_layers) canonical; the format does not store them",
+        ),
+    ):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert not e.code, capsys.readouterr().err
+        assert expected in capsys.readouterr().out
 
 
 def test_dry_run_lists_every_tensor_and_writes_nothing(safeailab_dir, tmp_path, capsys):

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import numpy as np
 
-from woodcock.converters.layer_ids import from_canonical
+from woodcock.converters.layer_ids import stored_ids
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, to_dict
 from woodcock.tensorfile import dtype_name
@@ -47,11 +47,7 @@ def output_tensors(
 
 
 def stored_taps(drafter: Drafter, fmt: ModuleType) -> str:
-    spec = drafter.spec
-    if hasattr(fmt, "stored_taps"):
-        ids = fmt.stored_taps(spec)
-    else:
-        ids = list(from_canonical(spec.taps.layer_ids, fmt.LAYER_CONVENTION))
+    ids = stored_ids(drafter.spec, fmt)
     if ids is None:
         return "not stored"
     return f"{ids} ({fmt.LAYER_CONVENTION})"

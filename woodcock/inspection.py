@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from woodcock.converters.layer_ids import from_canonical
+from woodcock.converters.layer_ids import stored_ids
 from woodcock.ir import Drafter, to_dict
 from woodcock.loading import load_drafter_with_format, resolve_source
 
@@ -66,7 +66,7 @@ def describe(source: str, *, taps: Sequence[int] | None = None) -> dict[str, Any
             "canonical": {"convention": spec.taps.convention, "layer_ids": list(ids)},
             "stored": {
                 "convention": fmt.LAYER_CONVENTION,
-                "layer_ids": list(from_canonical(ids, fmt.LAYER_CONVENTION)),
+                "layer_ids": stored_ids(spec, fmt),  # None: the format does not store them
             },
         },
         "fusion": to_dict(spec.fusion),
@@ -105,7 +105,12 @@ def render_text(report: dict[str, Any]) -> str:
         ),
         (
             "taps",
-            f"{_ids(taps['canonical'])} canonical; stored as {_ids(taps['stored'])}",
+            f"{_ids(taps['canonical'])} canonical; "
+            + (
+                f"stored as {_ids(taps['stored'])}"
+                if taps["stored"]["layer_ids"] is not None
+                else "the format does not store them"
+            ),
         ),
         (
             "fusion",

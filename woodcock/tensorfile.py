@@ -139,9 +139,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
     metadata = header.pop("__metadata__", None) or {}
     if os.path.getsize(path) == data_start:
         return {name: _empty(entry) for name, entry in header.items()}, metadata
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        _remember_file(mapped, f.fileno())
+    mapped = map_file(path)
     tensors = {}
     for name, entry in header.items():
         dtype = DTYPES[entry["dtype"]]
@@ -151,6 +149,15 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
         )
         tensors[name] = flat.reshape(entry["shape"])
     return tensors, metadata
+
+
+def map_file(path: Path) -> mmap.mmap:
+    """A read-only memory map of a whole file, whose arrays `write_safetensors` copies in the
+    kernel and releases page by page."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        _remember_file(mapped, f.fileno())
+    return mapped
 
 
 def checkpoint_files(path: Path) -> list[Path]:
