@@ -18,6 +18,10 @@ shutil.copyfile of the source directory's files in another fresh subprocess; the
 --runs runs of each (other load on the machine only adds time). Targets: wall <=
 1.5 x copy; peak RSS <= the largest single tensor + 300 MB. Sources are converted from a native
 seed first (not timed); every output is deleted after its measurement.
+
+The native format checks a source's sha256s and records an output's: `sha256 s` is the time
+to hash the source's files once (file_sha256, fastest of --runs), the least any pair that
+reads or writes the native format can take, however well hashing overlaps the copy.
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ start = time.perf_counter()
 dest.mkdir()
 for file in sorted(source.iterdir()):
     shutil.copyfile(file, dest / file.name)
+print(json.dumps({"wall": time.perf_counter() - start}))
+"""
+
+CHILD_HASH = """
+import json, sys, time
+from pathlib import Path
+from woodcock.tensorfile import file_sha256
+start = time.perf_counter()
+for file in sorted(Path(sys.argv[1]).iterdir()):
+    file_sha256(file)
 print(json.dumps({"wall": time.perf_counter() - start}))
 """
 
@@ -149,14 +163,15 @@ def child(code: str, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def best_of(runs: int, code: str, args: list[str], output: Path) -> dict:
-    """The fastest of a few runs (other load on the machine only ever adds time); the output is
-    deleted after each."""
+def best_of(runs: int, code: str, args: list[str], output: Path | None) -> dict:
+    """The fastest of a few runs (other load on the machine only ever adds time); the output,
+    if any, is deleted after each."""
     rows = []
     for _ in range(runs):
         os.sync()  # start every run without a backlog of dirty pages to write back
         rows.append(child(code, *args))
-        shutil.rmtree(output)
+        if output is not None:
+            shutil.rmtree(output)
     return min(rows, key=lambda row: row["wall"])
 
 
@@ -205,6 +220,7 @@ def run_case(name: str, workdir: Path, runs: int) -> list[dict]:
             if dest_fmt in ("specforge-dspark", "zlab-dflash"):
                 argv += ["--target", str(target)]
             copied = best_of(runs, CHILD_COPY, [str(source), str(copy)], copy)
+            hashed = best_of(runs, CHILD_HASH, [str(source)], None)
             converted = best_of(runs, CHILD_CONVERT, argv, dest)
             size = directory_bytes(source)
             row = {
@@ -216,6 +232,7 @@ def run_case(name: str, workdir: Path, runs: int) -> list[dict]:
                 "wall": converted["wall"],
                 "copy": copied["wall"],
                 "ratio": converted["wall"] / copied["wall"],
+                "sha256": hashed["wall"],
                 "rss_mb": converted["rss_kb"] / 1024,
                 "largest_mb": largest / MB,
                 "rss_budget_mb": largest / MB + 300,
@@ -223,7 +240,7 @@ def run_case(name: str, workdir: Path, runs: int) -> list[dict]:
             rows.append(row)
             print(
                 f"[{name}] {src_fmt:>16} -> {dest_fmt:<16} {row['wall']:6.2f}s"
-                f" (copy {row['copy']:5.2f}s, x{row['ratio']:.2f})"
+                f" (copy {row['copy']:5.2f}s, x{row['ratio']:.2f}; sha256 {row['sha256']:.2f}s)"
                 f"  peak RSS {row['rss_mb']:7.0f} MB (budget {row['rss_budget_mb']:.0f})",
                 flush=True,
             )
@@ -249,13 +266,16 @@ def main() -> None:
     for name in args.only or list(specs()):
         rows += run_case(name, workdir, args.runs)
     print(f"\ntotal {time.perf_counter() - started:.0f}s\n")
-    print("| drafter | from | to | GB | convert s | copy s | ratio | peak RSS MB | budget MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| drafter | from | to | GB | convert s | copy s | ratio | sha256 s | peak RSS MB |"
+        " budget MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['drafter']} | {r['from']} | {r['to']} | {r['bytes'] / 1e9:.2f} |"
-            f" {r['wall']:.2f} | {r['copy']:.2f} | {r['ratio']:.2f} | {r['rss_mb']:.0f} |"
-            f" {r['rss_budget_mb']:.0f} |"
+            f" {r['wall']:.2f} | {r['copy']:.2f} | {r['ratio']:.2f} | {r['sha256']:.2f} |"
+            f" {r['rss_mb']:.0f} | {r['rss_budget_mb']:.0f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

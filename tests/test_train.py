@@ -18,6 +18,7 @@ from woodcock.loading import load_drafter
 from woodcock.runtime.decode import Stats, generate_tokens
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.target import MlxTarget
+from woodcock.tensorfile import read_safetensors
 from woodcock.train import train as T
 from woodcock.train.cli import app
 from woodcock.train.distill import ANSWERS, distill, read_answers
@@ -309,3 +310,37 @@ def test_resume_continues_with_the_same_losses(work, tmp_path):
     ]
     assert [e["step"] for e in log] == list(range(11))
     assert resumed.holdout_agreement == whole.holdout_agreement
+
+
+def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path):
+    settings = dict(
+        target=str(work / "target"),
+        data=work / "data",
+        out=tmp_path / "early",
+        steps=10,
+        ttt_steps=2,
+        head_size=HEAD,
+        batch=3,
+        lr=2e-3,
+        holdout=0.2,
+        eval_every=100,
+        checkpoint_every=4,
+        max_len=64,
+    )
+
+    def stop_at_6(phase, done, total):
+        if phase == "training" and done == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.train(T.TrainOptions(**settings), progress=stop_at_6)
+    with pytest.raises(DrafterError, match="--finish ends a checkpointed run: pass --resume"):
+        T.train(T.TrainOptions(**settings, finish=True))
+    report = T.train(T.TrainOptions(**settings, resume=True, finish=True))
+    assert report.steps == 4 and report.losses == [] and report.resumed_from == 4
+    checkpoint, _ = read_safetensors(tmp_path / "early.ckpt" / "step-0000004" / "model.safetensors")
+    drafter = load_drafter(tmp_path / "early")
+    for name, array in checkpoint.items():
+        assert np.array_equal(np.asarray(drafter.weights[name], np.float32), array), name
+    training = native.read_provenance(tmp_path / "early")["training"]
+    assert training["steps"] == 4 and training["planned_steps"] == 10

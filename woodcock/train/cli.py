@@ -137,6 +137,13 @@ def train(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the last checkpoint.")
     ] = False,
+    finish: Annotated[
+        bool,
+        typer.Option(
+            "--finish",
+            help="With --resume: stop there, write the drafter from the last checkpoint.",
+        ),
+    ] = False,
     force: Annotated[
         bool, typer.Option("--force", help="Replace OUT / start the checkpoints over.")
     ] = False,
@@ -171,6 +178,7 @@ def train(
         checkpoints=checkpoints,
         seed=seed,
         resume=resume,
+        finish=finish,
         force=force,
         command=_typed_command(ctx),
     )

@@ -92,6 +92,7 @@ class TrainOptions:
     taps: tuple[int, ...] | None = None
     checkpoints: Path | None = None  # default: OUT.ckpt next to OUT
     resume: bool = False
+    finish: bool = False  # with resume: write the drafter from the last checkpoint, no more steps
     force: bool = False
     command: list[str] | None = None  # recorded in the provenance
 
@@ -141,6 +142,8 @@ class TrainOptions:
             raise DrafterError("--lr and --clip must be positive, --min-lr-ratio in [0, 1]")
         if self.warmup_steps() > self.steps:
             raise DrafterError(f"--warmup {self.warmup}: more than --steps {self.steps}")
+        if self.finish and not self.resume:
+            raise DrafterError("--finish ends a checkpointed run: pass --resume with it")
 
 
 @dataclass
@@ -1211,7 +1214,8 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     # Training
     run_tokens, run_seconds = 0, 0.0
     last = state.get("last_eval")
-    for step in range(start_step + 1, opts.steps + 1):
+    final_step = start_step if opts.finish else opts.steps
+    for step in range(start_step + 1, final_step + 1):
         t0 = time.perf_counter()
         batch = make_batch(arrays, plan.at(step), opts.ttt_steps)
         metrics = trainer.train_step(batch)
@@ -1237,10 +1241,10 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
             save_checkpoint(ckpt, step, model, trainer.optimizer, state)
         if progress:
             progress("training", step, opts.steps)
-    report.steps = opts.steps
+    report.steps = final_step
     report.train_seconds = run_seconds
     report.train_tokens_per_second = run_tokens / run_seconds if run_seconds else 0.0
-    if last is None:  # resumed from the final checkpoint
+    if last is None or opts.finish:  # resumed from the final checkpoint, or stopped early
         last = trainer.evaluate(eval_batches(arrays, holdout_entries, opts.ttt_steps))
     report.holdout_agreement = last["holdout_agreement"]
     report.holdout_agreement_unconditional = last["holdout_agreement_unconditional"]
@@ -1275,7 +1279,8 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
             "holdout_answer_tokens": int(holdout_answers.size),
         },
         "training": {
-            "steps": opts.steps,
+            "steps": final_step,
+            "planned_steps": opts.steps,
             "tokens_seen": int(state["train_tokens"]),
             "seconds": round(state["train_seconds"], 1),
             "final_loss": report.losses[-1] if report.losses else None,
