@@ -315,7 +315,13 @@ def test_a_fused_bias_or_concat_norm_is_refused_by_every_research_format(tmp_pat
 
 
 def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
-    from woodcock.tensorfile import file_sha256, read_header, read_safetensors, write_safetensors
+    from woodcock.tensorfile import (
+        COPY_ALIGNMENT,
+        file_sha256,
+        read_header,
+        read_safetensors,
+        write_safetensors,
+    )
 
     rng = np.random.default_rng(0)
     arrays = {
@@ -354,7 +360,7 @@ def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
     for name, array in arrays.items():  # the source pages were released, not lost
         assert np.array_equal(mapped[name], array)
     # mapped tensors keep their file order among themselves (in the slots name order gives
-    # them) and, for most of their bytes, their offsets modulo the page size
+    # them) and, for most of their bytes, their offsets modulo COPY_ALIGNMENT
     source_start, source_header = read_header(tmp_path / "src.safetensors")
     start, header = read_header(tmp_path / "plain.safetensors")
     out = {n: start + e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"}
@@ -365,7 +371,7 @@ def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
     }
     assert out["z-renamed"] < out["b"] < out["d"]
     for out_name, in_name in (("z-renamed", "a"), ("b", "b")):
-        assert (out[out_name] - source[in_name]) % 4096 == 0, out_name
+        assert (out[out_name] - source[in_name]) % COPY_ALIGNMENT == 0, out_name
     assert start % 8 == 0
 
 
