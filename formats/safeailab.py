@@ -225,18 +225,17 @@ def _as_file_views(file: Path, state: dict, arrays: dict[str, np.ndarray]) -> di
     copies them in the kernel and releases their pages as it goes. torch.load(mmap=True) maps
     the whole file at one address, so every storage lies at base + its record's offset in the
     zip; when that does not hold (another torch), torch's views are kept."""
-    storages = sorted(
-        {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in state.values()
-            if t.untyped_storage().nbytes()
-        }.items()
-    )
-    records = _storage_records(file)
-    if len(storages) != len(records) or not records:
+    sizes = {}  # address -> bytes of each distinct non-empty storage
+    for tensor in state.values():
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            sizes[storage.data_ptr()] = storage.nbytes()
+    storages, records = sorted(sizes.items()), _storage_records(file)
+    if not records or len(storages) != len(records):
         return arrays
-    bases = {ptr - offset for (ptr, _), (offset, _) in zip(storages, records, strict=True)}
-    if len(bases) != 1 or any(a[1] != b[1] for a, b in zip(storages, records, strict=True)):
+    pairs = list(zip(storages, records, strict=True))
+    bases = {address - offset for (address, _), (offset, _) in pairs}
+    if len(bases) != 1 or any(size != stored for (_, size), (_, stored) in pairs):
         return arrays
     base = bases.pop()
     mapped = map_file(file)

@@ -214,11 +214,10 @@ def _verify_files(path: Path, files: dict[str, dict]) -> None:
             raise DrafterError(
                 f"{file}: {size} bytes, the manifest says {entry['bytes']} (damaged or replaced)"
             )
-    for name, entry in sorted(files.items(), key=lambda item: item[0] == WEIGHTS):
-        if name == WEIGHTS:
-            check(lambda file=path / name, entry=entry: _verify_sha256(file, entry["sha256"]))
-        else:
+    for name, entry in files.items():
+        if name != WEIGHTS:
             _verify_sha256(path / name, entry["sha256"])
+    check(lambda: _verify_sha256(path / WEIGHTS, files[WEIGHTS]["sha256"]))
 
 
 def _verify_sha256(file: Path, expected: str) -> None:
