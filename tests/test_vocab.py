@@ -166,6 +166,7 @@ def test_expansion_zero_rows_score_exactly_zero(name):
 
 def test_expanding_a_shared_head_drops_the_map():
     spec = tiny_spec("dflash", style="qwen3", draft_vocab_size=40)
+    spec = dataclasses.replace(spec, head=Head(lm_head="shared", embedding="shared"))
     drafter = make(spec)
     full = expand(drafter)
     assert full.spec.head.lm_head == "shared" and "lm_head.weight" not in full.weights
@@ -349,6 +350,7 @@ def test_convert_truncates_with_a_counts_file(tmp_path, capsys):
 
 def test_convert_expands_into_a_format_without_a_map(tmp_path, capsys):
     spec = tiny_spec("dflash", style="qwen3", draft_vocab_size=40)
+    spec = dataclasses.replace(spec, head=Head(lm_head="shared", embedding="shared"))
     source = tmp_path / "src"
     native.write(make(spec), source)
     out = tmp_path / "zlab"
