@@ -267,25 +267,27 @@ def test_trained_drafter_loads_learns_and_decodes_exactly(work, trained):
     assert stats.tokens_per_round > 1.3  # the trained drafter's drafts are accepted
 
 
+def short_run(work, out, **changes) -> T.TrainOptions:
+    """10 steps, a checkpoint every 4."""
+    settings = dict(
+        steps=10,
+        ttt_steps=2,
+        head_size=HEAD,
+        batch=3,
+        lr=2e-3,
+        holdout=0.2,
+        eval_every=100,
+        checkpoint_every=4,
+        max_len=64,
+    )
+    return T.TrainOptions(
+        target=str(work / "target"), data=work / "data", out=out, **{**settings, **changes}
+    )
+
+
 def test_resume_continues_with_the_same_losses(work, tmp_path):
     def options(name, **kw):
-        settings = dict(
-            steps=10,
-            ttt_steps=2,
-            head_size=HEAD,
-            batch=3,
-            lr=2e-3,
-            holdout=0.2,
-            eval_every=100,
-            checkpoint_every=4,
-            max_len=64,
-        )
-        return T.TrainOptions(
-            target=str(work / "target"),
-            data=work / "data",
-            out=tmp_path / name,
-            **{**settings, **kw},
-        )
+        return short_run(work, tmp_path / name, **kw)
 
     whole = T.train(options("whole"))
 
@@ -313,30 +315,15 @@ def test_resume_continues_with_the_same_losses(work, tmp_path):
 
 
 def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path):
-    settings = dict(
-        target=str(work / "target"),
-        data=work / "data",
-        out=tmp_path / "early",
-        steps=10,
-        ttt_steps=2,
-        head_size=HEAD,
-        batch=3,
-        lr=2e-3,
-        holdout=0.2,
-        eval_every=100,
-        checkpoint_every=4,
-        max_len=64,
-    )
-
     def stop_at_6(phase, done, total):
         if phase == "training" and done == 6:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        T.train(T.TrainOptions(**settings), progress=stop_at_6)
+        T.train(short_run(work, tmp_path / "early"), progress=stop_at_6)
     with pytest.raises(DrafterError, match="--finish ends a checkpointed run: pass --resume"):
-        T.train(T.TrainOptions(**settings, finish=True))
-    report = T.train(T.TrainOptions(**settings, resume=True, finish=True))
+        T.train(short_run(work, tmp_path / "early", finish=True))
+    report = T.train(short_run(work, tmp_path / "early", resume=True, finish=True))
     assert report.steps == 4 and report.losses == [] and report.resumed_from == 4
     checkpoint, _ = read_safetensors(tmp_path / "early.ckpt" / "step-0000004" / "model.safetensors")
     drafter = load_drafter(tmp_path / "early")
