@@ -43,9 +43,34 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     assert auto["average_draft_length"] >= 1 and auto["policy"].startswith("auto:")
 
 
-def test_auto_policy_without_a_file_falls_back_with_a_warning(demo, capsys):
-    code, out, err = run_cli(["generate", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt", "x", "--max-tokens", "4", "--policy", "auto", "--no-chat"], capsys)
-    assert code == 0 and "using fixed:4" in err
+def test_auto_policy_without_a_file_measures_once_and_keeps_the_profile(demo, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = ["generate", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt", "The quick brown", "--max-tokens", "24", "--no-chat", "--json"]
+    first = json.loads(run_cli(args, capsys)[1])
+    (profile,) = (tmp_path / "woodcock" / "latency").glob("*.json")
+    assert first["policy"] == f"auto:{profile}"
+    data = json.loads(profile.read_text())
+    assert list(data["verify_seconds"]) == ["256"] and len(data["verify_seconds"]["256"]) == 8
+    assert list(data["draft_seconds"]) == ["full"] and len(data["draft_seconds"]["full"]) == 7
+    assert LatencyProfile.load(profile).max_verify == 8
+    written = profile.stat().st_mtime_ns
+    second = json.loads(run_cli(args + ["--policy", "auto"], capsys)[1])
+    assert profile.stat().st_mtime_ns == written and second["policy"] == first["policy"]
+    assert max(second["draft_lengths"]) <= 7
+    fixed = json.loads(run_cli(args + ["--policy", "fixed:2"], capsys)[1])
+    assert first["text"] == second["text"] == fixed["text"]
+    # another head is another profile
+    run_cli(args[:4] + [f"{demo / 'drafter'}@{demo / 'counts.npz'}:64"] + args[5:], capsys)
+    assert len(list((tmp_path / "woodcock" / "latency").glob("*.json"))) == 2
+    assert not list((tmp_path / "woodcock" / "latency").glob(".*"))
+
+
+def test_auto_policy_needs_a_profile_outside_the_command(demo):
+    from woodcock.errors import DrafterError
+    from woodcock.runtime.policy import parse_policy
+
+    with pytest.raises(DrafterError, match=r"--policy auto: needs a latency file"):
+        parse_policy("auto", object())
 
 
 def test_bench_table_json_and_chart(demo, capsys, tmp_path):

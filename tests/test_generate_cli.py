@@ -49,7 +49,7 @@ def test_generate_streams_the_targets_text_and_reports(demo_dir, capsys, chat):
 def test_generate_json_and_truncated_head(demo_dir, capsys):
     counts = np.arange(1000, 1000 - 320, -1)  # "frequency" falls with the id
     np.savez(demo_dir / "counts.npz", counts=counts)
-    base = ["generate", "--target", str(demo_dir / "target"), "--prompt", "Paris is", "--max-tokens", "30", "--json", "--no-chat"]
+    base = ["generate", "--target", str(demo_dir / "target"), "--prompt", "Paris is", "--max-tokens", "30", "--json", "--no-chat", "--policy", "fixed:4"]
     code, out, err = run_cli(base + ["--drafter", str(demo_dir / "drafter")], capsys)
     assert code == 0, err
     full = json.loads(out)

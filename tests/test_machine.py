@@ -133,6 +133,41 @@ def test_blas_in_a_fresh_process(preload):
         assert any("reference (netlib) BLAS" in w for w in report["warnings"])
 
 
+CLI_PROBE = """
+import json, os, sys
+from woodcock.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+from woodcock.runtime.machine import blas
+print(json.dumps({"blas": blas(), "threads": os.environ.get("OPENBLAS_NUM_THREADS")}))
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="the global-scope rule is the Linux dynamic linker's")
+@pytest.mark.parametrize("opt_out", [False, True], ids=["default", "WOODCOCK_OPENBLAS=0"])
+def test_the_command_puts_openblas_under_mlx(opt_out):
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}
+    if opt_out:
+        env["WOODCOCK_OPENBLAS"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", CLI_PROBE, "--version"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(out.stdout.splitlines()[-1])
+    openblas = find_openblas()
+    if openblas.exists() and not opt_out:
+        assert report["blas"]["library"] == "openblas"
+        assert report["blas"]["path"] == os.path.realpath(openblas)
+        assert report["threads"] == "1"
+    elif "openblas" not in _ld_so_preload():
+        assert report["blas"]["library"] != "openblas" and report["threads"] is None
+
+
 def test_classify_blas():
     site = "/venv/lib/python3.11/site-packages"
     assert classify_blas(f"{site}/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0") == "reference"
@@ -161,8 +196,10 @@ def test_warnings():
     reference = {"library": "reference", "path": "/x/mlx_cpu.libs/libblas-1.so.3"}
     (line,) = slow_path_warnings(facts_with(blas=reference))
     assert "reference (netlib) BLAS" in line and "/x/mlx_cpu.libs/libblas-1.so.3" in line
-    assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0" in line
-    assert ("apt-get install libopenblas0-pthread" in line) != find_openblas("x86_64").exists()
+    installed = find_openblas("x86_64").exists()
+    assert ("apt-get install libopenblas0-pthread" in line) != installed
+    preload = "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert (preload in line and "WOODCOCK_OPENBLAS=0" in line) == installed
     assert "\n" not in line
     for dtype in ("bfloat16", "float16"):
         (line,) = slow_path_warnings(facts_with(dtype=dtype))

@@ -331,3 +331,25 @@ def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path):
         assert np.array_equal(np.asarray(drafter.weights[name], np.float32), array), name
     training = native.read_provenance(tmp_path / "early")["training"]
     assert training["steps"] == 4 and training["planned_steps"] == 10
+
+
+def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
+    theirs = native.read_provenance(trained)
+    same_eval = dict(max_len=96, ttt_steps=3, init=str(trained), steps=2, lr=1e-6)
+    warm = T.train(short_run(work, tmp_path / "warm", **same_eval))
+    # Its first evaluation is the trained drafter's last one: the same weights on the same rows.
+    assert warm.holdout_agreement_initial == theirs["holdout_agreement"]
+    cold = T.train(short_run(work, tmp_path / "cold", max_len=96, ttt_steps=3, steps=2, lr=1e-6))
+    assert warm.holdout_agreement_initial[0] > cold.holdout_agreement_initial[0] + 0.2
+    record = native.read_provenance(tmp_path / "warm")["init"]
+    assert record["source"] == str(trained) and record["format"] == "woodcock"
+    assert record["holdout_agreement"] == theirs["holdout_agreement"]
+    started = load_drafter(tmp_path / "warm")
+    assert np.array_equal(
+        started.vocab.draft_to_target, load_drafter(trained).vocab.draft_to_target
+    )
+
+    with pytest.raises(DrafterError, match=r"--init .*--head-size 64: a drafter to start from"):
+        T.train(short_run(work, tmp_path / "x", init=str(trained), head_size=64))
+    with pytest.raises(DrafterError, match=r"--init .*: taps = .*; this run trains"):
+        T.train(short_run(work, tmp_path / "y", init=str(trained), taps=(1, 2, 3)))

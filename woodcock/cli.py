@@ -256,10 +256,11 @@ def generate(
         str,
         typer.Option(
             "--policy",
-            help="Draft length: fixed:K, auto:latency.json (chain drafters) or"
-            " confidence:latency.json (block drafters with a confidence head).",
+            help="Draft length: fixed:K, auto[:latency.json] (chain drafters) or"
+            " confidence[:latency.json] (block drafters with a confidence head); without a"
+            " file, a short profile is measured once and kept in the user cache.",
         ),
-    ] = "fixed:4",
+    ] = "auto",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
     temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 0.0,
@@ -299,7 +300,9 @@ def generate(
     sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if seed is not None:
         mx.random.seed(seed)
-    session = open_session(*_resolve_pair(target, drafter), dtype=dtype)
+    pair = _resolve_pair(target, drafter)
+    session = open_session(*pair, dtype=dtype)
+    policy = _with_latency_file(policy, session, *pair)
     chosen_policy = parse_policy(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
     )
@@ -422,7 +425,7 @@ def bench(
         str | None, typer.Option("--drafter", help="Drafter (as for generate).")
     ] = None,
     target: DefaultableTarget = None,
-    policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "fixed:4",
+    policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "auto",
     domains: Annotated[
         str, typer.Option("--domains", help="Comma-separated prompt domains.")
     ] = "chat,code,math,multilingual",
@@ -444,7 +447,9 @@ def bench(
     from woodcock.runtime.session import open_session
 
     selected = load_prompts(domains.split(","), limit_per_domain=prompts)
-    session = open_session(*_resolve_pair(target, drafter), dtype=dtype)
+    pair = _resolve_pair(target, drafter)
+    session = open_session(*pair, dtype=dtype)
+    policy = _with_latency_file(policy, session, *pair)
 
     def make_policy():
         return parse_policy(
@@ -518,6 +523,27 @@ def _resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
     return (str(default_target_path()) if default else target), drafter
 
 
+def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
+    """`auto` / `confidence` given without a latency file: this machine's cached profile for the
+    pair (measured now, once, if there is none). Progress goes to stderr: stdout is the text."""
+    if policy not in ("auto", "confidence"):
+        return policy
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from woodcock.runtime.latency import cached_profile
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("measuring this machine's latency (once)", total=None)
+        path = cached_profile(
+            session,
+            target,
+            drafter,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    return f"{policy}:{path}"
+
+
 def _retarget(drafter, name_or_path: str):
     import dataclasses
 
@@ -534,6 +560,9 @@ app.add_typer(__import__("woodcock.vocab_count", fromlist=["app"]).app, name="vo
 
 
 def main(argv: list[str] | None = None) -> None:
+    from woodcock.runtime.openblas import load_openblas
+
+    load_openblas()  # before anything imports MLX
     try:
         app(args=argv, prog_name="woodcock")
     except DrafterError as e:

@@ -25,6 +25,8 @@ from woodcock.jsonfile import read_json_object
 
 FORMAT = "woodcock-latency"
 MAX_VERIFY = 16
+QUICK_CONTEXT = 256  # the profile `--policy auto` measures when given no file
+QUICK_VERIFY = 8
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class LatencyProfile:
         if not verify or not draft or any(not ts for ts in (*verify.values(), *draft.values())):
             raise DrafterError(f"{path}: empty verify_seconds or draft_seconds")
         return cls(verify, draft, kind)
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens every measured context has a verification cost for."""
+        return min(len(row) for row in self.verify_seconds.values())
 
     def verify_cost(self, tokens: int, context: int) -> float:
         """Seconds to verify `tokens` rows at a context length, interpolated between the
@@ -121,12 +128,13 @@ def measure(
     drafters: dict[str, object],
     *,
     contexts: Sequence[int] = (64, 256, 1024),
+    max_verify: int = MAX_VERIFY,
     max_draft: int = 8,
     repeats: int = 5,
     advance: Callable[[], None] = lambda: None,
 ) -> dict:
-    """Median seconds to verify k = 1..16 tokens at each context length, and to draft k tokens
-    with each drafter (EAGLE-3: k chain steps after three new context rows, as in a round;
+    """Median seconds to verify k = 1..max_verify tokens at each context length, and to draft k
+    tokens with each drafter (EAGLE-3: k chain steps after three new context rows, as in a round;
     block drafters: one block). `advance` is called after each measurement (progress)."""
     import mlx.core as mx
 
@@ -140,7 +148,7 @@ def measure(
         mx.eval(logits, taps)
         context_taps = taps
         row = []
-        for k in range(1, MAX_VERIFY + 1):
+        for k in range(1, max_verify + 1):
             tokens = mx.array(rng.integers(0, vocab, k))
 
             def verify_once(tokens=tokens, k=k):
@@ -175,7 +183,73 @@ def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
     def run() -> None:
         if not hasattr(drafter, "num_drafts"):
             drafter.add_context(*new_rows)
-        tokens, logits = drafter.propose(k, lambda row: mx.argmax(row))
+        tokens, logits = drafter.propose(k, lambda row: mx.argmax(row, axis=-1))
         mx.eval(tokens, logits)
 
     return run
+
+
+def profile_cache_dir() -> Path:
+    from woodcock.default_target import cache_dir
+
+    return cache_dir() / "latency"
+
+
+def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path:
+    """The latency profile `--policy auto` / `confidence` use when given no file: measured once
+    (context QUICK_CONTEXT, verifying 1..QUICK_VERIFY tokens or a block and one, the session's own
+    drafter and head)
+    and kept in the user cache under a key of the machine facts (CPU, BLAS, threads, versions),
+    the target and drafter paths with their modification times, the dtype and the head."""
+    import hashlib
+    import os
+
+    from woodcock.runtime.machine import machine_facts
+
+    dtype = str(session.runtime_dtype).removeprefix("mlx.core.")
+    facts = machine_facts(dtype)
+    key = {
+        "machine": facts,
+        "target": _identity(target),
+        "drafter": _identity(drafter.rpartition("@")[0] or drafter),
+        "head": session.head_label,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    path = profile_cache_dir() / f"{digest[:20]}.json"
+    if path.exists():
+        return path
+    drafters = {session.head_label: session.drafter}
+    block = getattr(session.drafter, "num_drafts", None)
+    verify = min(MAX_VERIFY, max(QUICK_VERIFY, (block or 0) + 1))
+    total = verify + (1 if block else QUICK_VERIFY - 1)
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    profile = measure(
+        session.target,
+        drafters,
+        contexts=(QUICK_CONTEXT,),
+        max_verify=verify,
+        max_draft=QUICK_VERIFY - 1,
+        repeats=3,
+        advance=advance,
+    )
+    session.drafter.reset()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    write_profile(
+        partial, {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype, **profile}
+    )
+    os.replace(partial, path)
+    return path
+
+
+def _identity(source: str) -> list:
+    """A path with its modification time (a rewritten drafter gets a new profile); an id as is."""
+    path = Path(source)
+    return [str(path.resolve()), path.stat().st_mtime_ns] if path.exists() else [source]

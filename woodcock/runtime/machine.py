@@ -24,6 +24,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from woodcock.runtime.openblas import OPT_OUT, find_openblas
+
 HALF_DTYPES = {"bfloat16", "bf16", "float16", "fp16", "half"}
 _QUANTIZED = re.compile(r"\d+[-_ ]?bits?\b|^q\d|^int\d|^u?int[248]$|quant|mxfp|nvfp", re.I)
 _DISTRIBUTIONS = {
@@ -67,12 +69,17 @@ def slow_path_warnings(facts: dict) -> list[str]:
     blas_facts = facts.get("blas") or {}
     if facts.get("os") == "Linux" and backend == "cpu" and blas_facts.get("library") == "reference":
         openblas = find_openblas(facts.get("machine"))
-        install = "" if openblas.exists() else "apt-get install libopenblas0-pthread, then "
+        if not openblas.exists():
+            fix = "apt-get install libopenblas0-pthread and the woodcock command loads it itself"
+        else:
+            fix = (
+                f"the woodcock command loads {openblas} itself (unless {OPT_OUT}=0); elsewhere run"
+                f" with LD_PRELOAD={openblas} OPENBLAS_NUM_THREADS=1"
+            )
         warnings.append(
             f"MLX's CPU backend calls the reference (netlib) BLAS ({blas_facts.get('path')}):"
             " fp32 matmuls run at a few GFLOP/s and verifying k tokens costs about k decode steps;"
-            f" {install}run with LD_PRELOAD={openblas} OPENBLAS_NUM_THREADS=1 for a 3-18x faster"
-            " GEMM (no rebuild needed)"
+            f" {fix} for a 3-18x faster GEMM"
         )
     if backend == "cpu":
         dtype = (facts.get("dtype") or "").lower()
@@ -296,11 +303,3 @@ def _address(library: ctypes.CDLL, symbol: str) -> int | None:
 
 def _libmlx_path() -> str | None:
     return next((p for p in mapped_libraries() if os.path.basename(p).startswith("libmlx")), None)
-
-
-def find_openblas(machine: str | None = None) -> Path:
-    """Where Debian's libopenblas0-pthread puts OpenBLAS (whether it is there or not)."""
-    arch = {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(
-        machine or platform.machine(), machine or platform.machine()
-    )
-    return Path(f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0")

@@ -8,11 +8,13 @@ confidence:FILE      block drafters with a confidence head: draft a block, verif
 auto:FILE            chain drafters: choose K before each round from a running estimate of
                      acceptance by position and the latency curve; then verify only as far as
                      the drafter's own probabilities say is worth it
+
+FILE is a `woodcock latency` profile; the woodcock command measures one and keeps it in the user
+cache when `auto` or `confidence` comes without one (`latency.cached_profile`).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,17 +114,15 @@ def parse_policy(text: str, drafter, *, prior: list[float] | None = None, head: 
     if kind in ("confidence", "auto"):
         block = getattr(drafter, "num_drafts", None)
         if not value:
-            fallback = block or 4
-            print(
-                f"woodcock: warning: --policy {kind} needs a latency file ({kind}:latency.json,"
-                f" made by `woodcock latency`); using fixed:{fallback}",
-                file=sys.stderr,
+            raise DrafterError(
+                f"--policy {kind}: needs a latency file ({kind}:latency.json, made by `woodcock"
+                " latency`)"
             )
-            return FixedPolicy(fallback)
         profile = LatencyProfile.load(value)
         if kind == "confidence":
             if block is None:
                 raise DrafterError("--policy confidence is for block drafters (DFlash, DSpark)")
             return ConfidencePolicy(profile, block)
-        return AutoPolicy(profile, max_length=block or MAX_VERIFY - 1, prior=prior or [], head=head)
+        longest = block or min(MAX_VERIFY, profile.max_verify) - 1
+        return AutoPolicy(profile, max_length=max(1, longest), prior=prior or [], head=head)
     raise DrafterError(f"--policy {text!r}: expected fixed:K, confidence:FILE or auto:FILE")

@@ -124,6 +124,13 @@ def train(
     taps: Annotated[
         str | None, typer.Option("--taps", help="Target layer ids (default 2,N/2,N-3).")
     ] = None,
+    init: Annotated[
+        str | None,
+        typer.Option(
+            "--init",
+            help="Start from this drafter's weights (its taps and head rows) instead of random.",
+        ),
+    ] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Hold-out evaluation every N steps.")
     ] = 200,
@@ -173,6 +180,7 @@ def train(
         head_size=head_size,
         holdout=holdout,
         taps=_parse_taps(taps),
+        init=init,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
         checkpoints=checkpoints,
@@ -199,5 +207,5 @@ def train(
         + (f" (resumed at {report.resumed_from})" if report.resumed_from else "")
         + f", final loss {report.losses[-1]:.4f}" * bool(report.losses)
         + f", {report.train_tokens_per_second:.0f} training tokens/s"
-        f"\nhold-out agreement by draft step: {agreement} (untrained: {initial})"
+        f"\nhold-out agreement by draft step: {agreement} (at step 0: {initial})"
     )

@@ -27,6 +27,10 @@ The recipe ("seed recipe"):
   peak, gradient-norm clipping. Checkpoints (weights, optimizer state, step) every
   --checkpoint-every steps and at the end; --resume continues from the last one and gives the same
   losses as an uninterrupted run (the batch order is a function of the seed and the step).
+* --init: start from a trained drafter (any format woodcock reads) instead of random weights;
+  its taps and head rows are kept, and it must have exactly the shape this recipe builds. Its own
+  training data is not checked against this run's hold-out: hold-out figures are only clean when
+  both runs share the distill directory (the split is a function of the sample ids).
 * Hold-out: samples whose sha256(id) falls in the lowest --holdout share are never trained on.
   The hold-out agreement at draft step k+1 is the share of hold-out rows where the drafter's
   argmax at TTT step k equals the target's argmax (over the full vocabulary, so a token outside
@@ -90,6 +94,7 @@ class TrainOptions:
     eval_every: int = 200
     checkpoint_every: int = 50
     taps: tuple[int, ...] | None = None
+    init: str | None = None  # a drafter to start from (its taps and head rows), not random weights
     checkpoints: Path | None = None  # default: OUT.ckpt next to OUT
     resume: bool = False
     finish: bool = False  # with resume: write the drafter from the last checkpoint, no more steps
@@ -123,6 +128,8 @@ class TrainOptions:
         recipe["taps"] = list(self.taps) if self.taps else None
         recipe["target"] = str(self.target)
         recipe["data"] = str(Path(self.data).resolve())
+        if self.init is not None:
+            recipe["init"] = str(self.init)
         return recipe
 
     def warmup_steps(self) -> int:
@@ -625,6 +632,61 @@ def build_model(
     return model
 
 
+def _load_init(opts: TrainOptions):
+    """The drafter to start from and the record of it for the provenance."""
+    from woodcock.loading import load_drafter_with_format, resolve_source
+
+    init, fmt = load_drafter_with_format(opts.init)
+    if init.spec.draft_vocab_size != opts.head_size and init.vocab.draft_to_target is not None:
+        raise DrafterError(
+            f"--init {opts.init}: draft_vocab_size = {init.spec.draft_vocab_size}, --head-size"
+            f" {opts.head_size}: a drafter to start from keeps its head rows; pass --head-size"
+            f" {init.spec.draft_vocab_size}"
+        )
+    record: dict[str, Any] = {"source": str(opts.init), "format": fmt.NAME}
+    if fmt.NAME == "woodcock":
+        theirs = fmt.read_provenance(resolve_source(opts.init))
+        record["data"] = theirs.get("data", {}).get("dir")
+        record["training"] = theirs.get("training")
+        record["holdout_agreement"] = theirs.get("holdout_agreement")
+    return init, record
+
+
+def start_from(model, init, spec, source: str) -> None:
+    """Load `init`'s weights into the freshly built `model`; `init` must have the spec this run
+    builds (the number of TTT steps and the target's name aside)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    theirs = dataclasses.replace(
+        init.spec,
+        algorithm=dataclasses.replace(
+            init.spec.algorithm, speculative_tokens=spec.algorithm.speculative_tokens
+        )
+        if isinstance(init.spec.algorithm, type(spec.algorithm))
+        else init.spec.algorithm,
+        target=dataclasses.replace(
+            init.spec.target,
+            name_or_path=spec.target.name_or_path,
+            architectures=spec.target.architectures,
+        ),
+    )
+    if theirs != spec:
+        field_name = next(
+            f.name
+            for f in dataclasses.fields(spec)
+            if getattr(theirs, f.name) != getattr(spec, f.name)
+        )
+        raise DrafterError(
+            f"--init {source}: {field_name} = {getattr(init.spec, field_name)!r}; this run trains"
+            f" {getattr(spec, field_name)!r}"
+        )
+    weights = [(name, mx.array(np.asarray(a, np.float32))) for name, a in init.weights.items()]
+    model.load_weights(weights, strict=False)  # the embedding is the target's, not the drafter's
+    mx.eval(model.parameters())
+
+
 def trained_weights(model) -> dict[str, np.ndarray]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -1125,7 +1187,11 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     from woodcock.target_files import target_from_config
 
     num_layers = target_from_config(opts.target).num_hidden_layers
-    taps = tuple(opts.taps) if opts.taps else default_taps(num_layers)
+    init, init_record = _load_init(opts) if opts.init is not None else (None, None)
+    if opts.taps:
+        taps = tuple(opts.taps)
+    else:
+        taps = init.spec.taps.layer_ids if init is not None else default_taps(num_layers)
     if list(taps) != sorted(set(taps)):
         raise DrafterError(f"--taps {list(taps)}: expected strictly ascending layer ids")
     runner = TargetRunner(opts.target, taps)
@@ -1145,8 +1211,11 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     vocab = runner.vocab_size
     train_answers, holdout_answers = answer_tokens(train_samples), answer_tokens(holdout)
     counts = np.bincount(train_answers, minlength=vocab).astype(np.int64)
-    head_ids = choose_head(counts, opts.head_size)
-    draft_vocab = vocab if head_ids is None else opts.head_size
+    if init is None:
+        head_ids = choose_head(counts, opts.head_size)
+    else:
+        head_ids = None if init.vocab.draft_to_target is None else init.vocab.draft_to_target
+    draft_vocab = vocab if head_ids is None else len(head_ids)
     info = {
         "source": f"woodcock distill answers in {Path(opts.data).resolve()}",
         "split": "training answers (hold-out excluded)",
@@ -1162,6 +1231,8 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     spec = build_spec(runner, opts.target, taps, draft_vocab, opts.ttt_steps)
     head_rows = runner.head if head_ids is None else runner.head[head_ids]
     model = build_model(spec, runner.embedding, head_rows, runner.final_norm_weight(), opts.seed)
+    if init is not None:
+        start_from(model, init, spec, opts.init)
     trainer = Trainer(model, head_ids, runner.head, opts)
     runner.model = None  # the target's weights are no longer needed: free them
 
@@ -1268,6 +1339,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
         "holdout_loss_by_step": last["holdout_loss_by_step"],
         "holdout_rows_by_step": last["holdout_rows"],
         "recipe": {**opts.recipe(), "taps": list(taps), "draft_vocab_size": draft_vocab},
+        **({"init": init_record} if init is not None else {}),
         "data": {
             "dir": str(Path(opts.data).resolve()),
             "distill": {k: distill_meta.get(k) for k in ("target", "max_tokens", "chat", "system")},

@@ -1,0 +1,58 @@
+"""Put OpenBLAS under MLX's CPU backend on Linux without LD_PRELOAD.
+
+The `mlx-cpu` wheel's libmlx imports `cblas_sgemm` & co., and the dynamic linker answers an
+import from the global scope before libmlx's own dependencies (the bundled reference BLAS; see
+`woodcock.runtime.machine`). Opening the system's OpenBLAS with RTLD_GLOBAL before libmlx is
+loaded therefore makes every MLX matmul on the CPU call OpenBLAS: 3-18x faster GEMMs, and
+verifying a few tokens costs little more than decoding one, which speculative decoding needs.
+
+This module imports nothing of MLX: `load_openblas` must run before `mlx.core` is imported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from pathlib import Path
+
+OPT_OUT = "WOODCOCK_OPENBLAS"  # "0": keep the BLAS MLX links against
+
+
+def find_openblas(machine: str | None = None) -> Path:
+    """Where Debian's libopenblas0-pthread puts OpenBLAS (whether it is there or not)."""
+    arch = {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(
+        machine or platform.machine(), machine or platform.machine()
+    )
+    return Path(f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+def load_openblas() -> Path | None:
+    """Open OpenBLAS into the global scope when that changes what MLX will call: on Linux, before
+    MLX is loaded, when OpenBLAS is installed, no BLAS already answers globally (LD_PRELOAD) and
+    WOODCOCK_OPENBLAS is not "0". Returns the library opened, else None.
+
+    OPENBLAS_NUM_THREADS defaults to 1 (read by OpenBLAS when it is opened): every figure in
+    the README was measured so, with the target's one decode stream on one core."""
+    if platform.system() != "Linux" or os.environ.get(OPT_OUT) == "0":
+        return None
+    if "mlx.core" in sys.modules:
+        return None  # libmlx's imports are bound already
+    path = find_openblas()
+    if not path.exists() or _global_symbol("cblas_sgemm"):
+        return None
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    except OSError:
+        return None  # a broken install: MLX keeps its own BLAS and `woodcock latency` says so
+    return path
+
+
+def _global_symbol(name: str) -> bool:
+    try:
+        getattr(ctypes.CDLL(None), name)
+    except AttributeError:
+        return False
+    return True
