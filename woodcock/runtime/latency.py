@@ -198,9 +198,9 @@ def profile_cache_dir() -> Path:
 def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path:
     """The latency profile `--policy auto` / `confidence` use when given no file: measured once
     (context QUICK_CONTEXT, verifying 1..QUICK_VERIFY tokens or a block and one, the session's own
-    drafter and head)
-    and kept in the user cache under a key of the machine facts (CPU, BLAS, threads, versions),
-    the target and drafter paths with their modification times, the dtype and the head."""
+    drafter and head) and kept in the user cache under a key of the machine facts (CPU, BLAS,
+    threads, versions), the target and drafter paths with their modification times, the dtype
+    and the head."""
     import hashlib
     import os
 
@@ -208,8 +208,9 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
 
     dtype = str(session.runtime_dtype).removeprefix("mlx.core.")
     facts = machine_facts(dtype)
+    blas = {k: v for k, v in facts.get("blas", {}).items() if k != "mapped"}  # import order
     key = {
-        "machine": facts,
+        "machine": {**facts, "blas": blas},
         "target": _identity(target),
         "drafter": _identity(drafter.rpartition("@")[0] or drafter),
         "head": session.head_label,

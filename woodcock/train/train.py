@@ -637,6 +637,10 @@ def _load_init(opts: TrainOptions):
     from woodcock.loading import load_drafter_with_format, resolve_source
 
     init, fmt = load_drafter_with_format(opts.init)
+    if init.spec.algorithm.name != "eagle3":
+        raise DrafterError(
+            f"--init {opts.init}: algorithm = {init.spec.algorithm.name!r}; this trains 'eagle3'"
+        )
     if init.spec.draft_vocab_size != opts.head_size and init.vocab.draft_to_target is not None:
         raise DrafterError(
             f"--init {opts.init}: draft_vocab_size = {init.spec.draft_vocab_size}, --head-size"
@@ -663,9 +667,7 @@ def start_from(model, init, spec, source: str) -> None:
         init.spec,
         algorithm=dataclasses.replace(
             init.spec.algorithm, speculative_tokens=spec.algorithm.speculative_tokens
-        )
-        if isinstance(init.spec.algorithm, type(spec.algorithm))
-        else init.spec.algorithm,
+        ),
         target=dataclasses.replace(
             init.spec.target,
             name_or_path=spec.target.name_or_path,
