@@ -314,7 +314,7 @@ def test_resume_continues_with_the_same_losses(work, tmp_path):
     assert resumed.holdout_agreement == whole.holdout_agreement
 
 
-def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path):
+def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys):
     def stop_at_6(phase, done, total):
         if phase == "training" and done == 6:
             raise KeyboardInterrupt
@@ -325,6 +325,12 @@ def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path):
         T.train(short_run(work, tmp_path / "early", finish=True))
     report = T.train(short_run(work, tmp_path / "early", resume=True, finish=True))
     assert report.steps == 4 and report.losses == [] and report.resumed_from == 4
+    # the command's summary of a run that made no steps
+    again = ["train", "--target", str(work / "target"), "--data", str(work / "data"), "--out", str(tmp_path / "again"), "--checkpoints", str(tmp_path / "early.ckpt")]
+    again += ["--steps", "10", "--ttt-steps", "2", "--head-size", str(HEAD), "--batch", "3", "--lr", "2e-3", "--holdout", "0.2", "--eval-every", "100", "--checkpoint-every", "4", "--max-len", "64"]
+    capsys.readouterr()
+    run_cli(again + ["--resume", "--finish"])
+    assert f"wrote {tmp_path / 'again'}: 4 steps (resumed at 4) (no steps in this run)" in capsys.readouterr().out
     checkpoint, _ = read_safetensors(tmp_path / "early.ckpt" / "step-0000004" / "model.safetensors")
     drafter = load_drafter(tmp_path / "early")
     for name, array in checkpoint.items():

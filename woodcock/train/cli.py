@@ -202,10 +202,15 @@ def train(
         report = run_train(options, progress=progress)
     agreement = " ".join(f"{a:.3f}" for a in report.holdout_agreement)
     initial = " ".join(f"{a:.3f}" for a in report.holdout_agreement_initial)
+    this_run = (
+        f", final loss {report.losses[-1]:.4f}, {report.train_tokens_per_second:.0f} training"
+        " tokens/s"
+        if report.losses
+        else " (no steps in this run)"
+    )
     typer.echo(
         f"wrote {out}: {report.steps} steps"
         + (f" (resumed at {report.resumed_from})" if report.resumed_from else "")
-        + f", final loss {report.losses[-1]:.4f}" * bool(report.losses)
-        + f", {report.train_tokens_per_second:.0f} training tokens/s"
-        f"\nhold-out agreement by draft step: {agreement} (at step 0: {initial})"
+        + this_run
+        + f"\nhold-out agreement by draft step: {agreement} (at step 0: {initial})"
     )
