@@ -65,7 +65,7 @@ def test_auto_policy_without_a_file_measures_once_and_keeps_the_profile(demo, ca
     assert not list((tmp_path / "woodcock" / "latency").glob(".*"))
 
 
-def test_auto_policy_needs_a_profile_outside_the_command(demo):
+def test_auto_policy_needs_a_profile_outside_the_command():
     from woodcock.errors import DrafterError
     from woodcock.runtime.policy import parse_policy
 

@@ -11,7 +11,9 @@ latency.json:
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -201,10 +203,8 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     drafter and head) and kept in the user cache under a key of the machine facts (CPU, BLAS,
     threads, versions), the target and drafter paths with their modification times, the dtype
     and the head."""
-    import hashlib
-    import os
-
     from woodcock.runtime.machine import machine_facts
+    from woodcock.runtime.session import DrafterChoice
 
     dtype = str(session.runtime_dtype).removeprefix("mlx.core.")
     facts = machine_facts(dtype)
@@ -212,7 +212,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     key = {
         "machine": {**facts, "blas": blas},
         "target": _identity(target),
-        "drafter": _identity(drafter.rpartition("@")[0] or drafter),
+        "drafter": _identity(DrafterChoice.parse(drafter).source),
         "head": session.head_label,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
@@ -240,7 +240,6 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         repeats=3,
         advance=advance,
     )
-    session.drafter.reset()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     write_profile(
