@@ -21,7 +21,7 @@ from woodcock.runtime.target import MlxTarget
 from woodcock.tensorfile import read_safetensors
 from woodcock.train import train as T
 from woodcock.train.cli import app
-from woodcock.train.distill import ANSWERS, distill, read_answers
+from woodcock.train.distill import ANSWERS, distill, read_answers, read_prompts
 
 MAX_TOKENS = 40
 STEPS = 60
@@ -143,6 +143,19 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     assert (report.skipped, report.answered) == (33, 0)
     with pytest.raises(DrafterError, match="max_tokens"):
         distill(str(work / "target"), prompts, data, max_tokens=8, chat=False)
+
+
+def test_prompts_may_hold_unicode_line_separators(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; str.splitlines() would cut
+    # the record there (real ShareGPT prompts contain them)
+    texts = ["one\u2028two", "three\x85four\x1cfive", "six"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": t}, ensure_ascii=False) + "\r\n"
+                for i, t in enumerate(texts)),
+        encoding="utf-8",
+    )
+    assert read_prompts(path) == [(f"q{i}", t) for i, t in enumerate(texts)]
 
 
 def test_feature_cache_is_the_targets_taps_and_argmax(work, trained):

@@ -77,7 +77,7 @@ def heldout_sharegpt_ids(root: str | Path | None = None) -> set[str]:
 
 def _read(path: Path, domain: str) -> list[Prompt]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except FileNotFoundError:
         raise DrafterError(
             f"{path}: no prompt file for domain {domain!r} (the prompt sets ship in the"

@@ -50,7 +50,7 @@ def read_prompts(path: Path) -> list[tuple[str, str]]:
     """(id, prompt) per line of a JSONL file of {"id", "prompt"} objects; ids must be unique."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as e:
         raise DrafterError(f"{path}: cannot be read ({e.strerror or e})") from None
     prompts: list[tuple[str, str]] = []

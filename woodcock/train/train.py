@@ -1144,7 +1144,7 @@ def _trim_log(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
