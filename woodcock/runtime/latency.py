@@ -203,6 +203,8 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     drafter and head) and kept in the user cache under a key of the machine facts (CPU, BLAS,
     threads, versions), the target and drafter paths with their modification times, the dtype
     and the head."""
+    # imported here: both load MLX, and this module (imported by policy.py) stays MLX-free so
+    # that OpenBLAS can still be opened under MLX after importing it (runtime/openblas.py)
     from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.session import DrafterChoice
 
