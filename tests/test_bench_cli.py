@@ -8,7 +8,7 @@ import pytest
 from helpers import run_cli
 
 from woodcock.cli import main
-from woodcock.runtime.latency import LatencyProfile
+from woodcock.runtime.latency import LatencyProfile, acceptance_needed_table, write_profile
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,8 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     assert data["machine"] and data["dtype"] == "float32"
     profile = LatencyProfile.load(out)
     assert profile.best_length([0.9] * 8, 32) >= 1
+    assert "acceptance needed at every draft position (context 16, head full)" in stdout
+    assert stdout.splitlines()[-3].split()[:2] == ["speed-up", "K=1"]
     code, _, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out)], capsys)
     assert code == 2 and "already exists" in err
 
@@ -92,3 +94,24 @@ def test_ngram_drafter_through_generate_and_bench(demo, capsys):
     code, out, err = run_cli(["bench", "--target", str(demo / "target"), "--drafter", "ngram", "--domains", "code", "--prompts", "1", "--max-tokens", "16", "--no-chat"], capsys)
     assert code == 0, err
     assert "identical to plain mlx-lm decoding on 1 of 1" in out
+
+
+def test_acceptance_needed_solves_expected_tokens_per_round_against_the_cost(tmp_path):
+    path = tmp_path / "latency.json"
+    # verifying costs 0.1 s for up to 4 rows, 0.2 s beyond; drafting 0.01 s per token
+    verify = [0.1] * 4 + [0.2] * 12
+    data = {"machine": {}, "draft_kind": "chain", "verify_seconds": {"64": verify}}
+    write_profile(path, {**data, "draft_seconds": {"full": [0.01 * k for k in range(1, 9)]}})
+    profile = LatencyProfile.load(path)
+    # K=1: (1 + a) / 0.11 = 1.5 / 0.1 -> a = 0.65
+    assert profile.acceptance_needed(1.5, 1, 64) == pytest.approx(0.65)
+    # K=2: 1 + a + a^2 = 2 * 0.12 / 0.1 = 2.4 -> a = (-1 + sqrt(1 + 4 * 1.4)) / 2
+    assert profile.acceptance_needed(2.0, 2, 64) == pytest.approx((-1 + 6.6**0.5) / 2)
+    assert profile.acceptance_needed(2.0, 1, 64) is None  # two tokens cost more than two steps
+    assert profile.acceptance_needed(0.5, 1, 64) == pytest.approx(0.0, abs=1e-9)  # any drafter
+    # K=4 verifies five rows (0.2 s): 1 + a + ... + a^4 = 1.5 * 0.24 / 0.1 = 3.6
+    a = profile.acceptance_needed(1.5, 4, 64)
+    assert sum(a**j for j in range(5)) == pytest.approx(3.6)
+    header, faster, fastest = acceptance_needed_table(profile, 64, max_length=4)
+    assert header.split() == ["speed-up", "K=1", "K=2", "K=3", "K=4"]
+    assert faster.split()[:2] == ["1.5x", "0.65"] and fastest.split()[:2] == ["2x", "-"]

@@ -375,7 +375,13 @@ def latency(
     tokens at a few context lengths, for the auto and confidence policies."""
     from rich.progress import Progress
 
-    from woodcock.runtime.latency import MAX_VERIFY, measure, write_profile
+    from woodcock.runtime.latency import (
+        MAX_VERIFY,
+        LatencyProfile,
+        acceptance_needed_table,
+        measure,
+        write_profile,
+    )
     from woodcock.runtime.machine import machine_facts, slow_path_warnings
     from woodcock.runtime.session import open_session
 
@@ -417,6 +423,13 @@ def latency(
             f"{label} {ts[0] * 1e3:.1f} ms" for label, ts in profile["draft_seconds"].items()
         )
     )
+    head = next(iter(profile["draft_seconds"]))
+    typer.echo(
+        f"acceptance needed at every draft position (context {lengths[0]}, head {head}), against"
+        " one-token steps:"
+    )
+    for row in acceptance_needed_table(LatencyProfile.load(out), lengths[0], head=head):
+        typer.echo("  " + row)
 
 
 @app.command()

@@ -108,6 +108,49 @@ class LatencyProfile:
                 best, best_rate = k, expected / cost
         return best
 
+    def acceptance_needed(
+        self, speedup: float, draft_length: int, context: int, *, head: str | None = None
+    ) -> float | None:
+        """The acceptance a, the same at every draft position, at which drafting `draft_length`
+        tokens a round is `speedup` times as fast as plain decoding (one token per one-token
+        verification); None when even a = 1 falls short. Tells whether a drafter can reach a
+        speed-up on this machine before anyone trains one."""
+        k = draft_length
+        round_cost = self.draft_cost(k, head) + self.verify_cost(k + 1, context)
+        wanted = speedup * round_cost / self.verify_cost(1, context)  # tokens per round
+
+        def expected(a: float) -> float:
+            return sum(a**j for j in range(k + 1))
+
+        if expected(1.0) < wanted:
+            return None
+        low, high = 0.0, 1.0
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (middle, high) if expected(middle) < wanted else (low, middle)
+        return high
+
+
+def acceptance_needed_table(
+    profile: LatencyProfile,
+    context: int,
+    *,
+    head: str | None = None,
+    speedups: Sequence[float] = (1.5, 2.0),
+    max_length: int = 8,
+) -> list[str]:
+    """Printable rows of `LatencyProfile.acceptance_needed` for draft lengths 1..max_length
+    ("-": out of reach at that length)."""
+    lengths = range(1, min(max_length, profile.max_verify - 1) + 1)
+    rows = ["speed-up " + "".join(f"{f'K={k}':>7}" for k in lengths)]
+    for speedup in speedups:
+        cells = []
+        for k in lengths:
+            needed = profile.acceptance_needed(speedup, k, context, head=head)
+            cells.append(f"{'-' if needed is None else f'{needed:.2f}':>7}")
+        rows.append(f"{f'{speedup:g}x':<8} " + "".join(cells))
+    return rows
+
 
 def timed(fn, *, warmup: int = 2, repeats: int = 5) -> float:
     """Median wall time of fn() (which must synchronise) after warm-up."""
