@@ -85,6 +85,14 @@ class LatencyProfile:
         step = (row[-1] - row[0]) / max(len(row) - 1, 1)
         return row[-1] + step * (tokens - len(row))
 
+    def round_cost(
+        self, draft_length: int, context: int, head: str | None = None, *, verify_only: bool = False
+    ) -> float:
+        """Seconds for one round: draft K tokens, verify them with the anchor (K + 1 rows).
+        verify_only: the drafts already exist."""
+        cost = self.verify_cost(draft_length + 1, context)
+        return cost if verify_only else cost + self.draft_cost(draft_length, head)
+
     def best_length(
         self,
         acceptance: list[float],
@@ -95,15 +103,12 @@ class LatencyProfile:
     ) -> int:
         """The draft length K maximising expected tokens per second, where acceptance[j] is the
         probability that draft j+1 is accepted given the ones before it were: E(K) = 1 +
-        sum_k prod_{j<=k} acceptance[j]; time(K) = draft(K) + verify(K + 1). verify_only: the
-        drafts already exist, only the verification cost counts."""
+        sum_k prod_{j<=k} acceptance[j] over `round_cost(K)`."""
         best, best_rate, survive, expected = 1, 0.0, 1.0, 1.0
         for k in range(1, len(acceptance) + 1):
             survive *= acceptance[k - 1]
             expected += survive
-            cost = self.verify_cost(k + 1, context)
-            if not verify_only:
-                cost += self.draft_cost(k, head)
+            cost = self.round_cost(k, context, head, verify_only=verify_only)
             if expected / cost > best_rate:
                 best, best_rate = k, expected / cost
         return best
@@ -116,8 +121,7 @@ class LatencyProfile:
         verification); None when even a = 1 falls short. Tells whether a drafter can reach a
         speed-up on this machine before anyone trains one."""
         k = draft_length
-        round_cost = self.draft_cost(k, head) + self.verify_cost(k + 1, context)
-        wanted = speedup * round_cost / self.verify_cost(1, context)  # tokens per round
+        wanted = speedup * self.round_cost(k, context, head) / self.verify_cost(1, context)
 
         def expected(a: float) -> float:
             return sum(a**j for j in range(k + 1))
