@@ -85,7 +85,7 @@ def run(*args) -> list[dict]:
 
 
 def test_english_openings_leave_the_benchmark_conversations_out(tmp_path):
-    sharegpt, _, _, bench = build_wheels(tmp_path)
+    sharegpt, _, _, _ = build_wheels(tmp_path)
     rows = run(sharegpt, tmp_path / "out.jsonl", 100)
     assert sorted(r["id"] for r in rows) == [f"train{i}_0" for i in range(5)]
     assert run(sharegpt, tmp_path / "three.jsonl", 3) == rows[:3]
