@@ -8,7 +8,13 @@ import pytest
 from helpers import run_cli
 
 from woodcock.cli import main
-from woodcock.runtime.latency import LatencyProfile, acceptance_needed_table, write_profile
+from woodcock.runtime.latency import (
+    LatencyProfile,
+    acceptance_needed_table,
+    non_decreasing,
+    timed_sweeps,
+    write_profile,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,8 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     assert set(data["verify_seconds"]) == {"16", "48"} and all(len(v) == 16 for v in data["verify_seconds"].values())
     assert set(data["draft_seconds"]) == {"full", "64", "128"} and all(len(v) == 8 for v in data["draft_seconds"].values())
     assert data["machine"] and data["dtype"] == "float32"
+    for curve in (*data["verify_seconds"].values(), *data["draft_seconds"].values()):
+        assert curve == sorted(curve)
     profile = LatencyProfile.load(out)
     assert profile.best_length([0.9] * 8, 32) >= 1
     assert "acceptance needed at every draft position (context 16, head full)" in stdout
@@ -42,7 +50,9 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     fixed = json.loads(run_cli(base + ["--drafter", str(demo / "drafter")], capsys)[1])
     auto = json.loads(run_cli(base + ["--drafter", f"{demo / 'drafter'}@{demo / 'counts.npz'}:128", "--policy", f"auto:{out}"], capsys)[1])
     assert auto["text"] == fixed["text"]
-    assert auto["average_draft_length"] >= 1 and auto["policy"].startswith("auto:")
+    # how much auto drafts depends on this machine's timings (on the tiny demo pair drafting
+    # costs about what verifying does, so plain steps may win); its bounds do not
+    assert auto["policy"] == f"auto:{out}" and max(auto["draft_lengths"]) <= 15
 
 
 def test_auto_policy_without_a_file_measures_once_and_keeps_the_profile(demo, capsys, tmp_path, monkeypatch):
@@ -115,3 +125,21 @@ def test_acceptance_needed_solves_expected_tokens_per_round_against_the_cost(tmp
     header, faster, fastest = acceptance_needed_table(profile, 64, max_length=4)
     assert header.split() == ["speed-up", "K=1", "K=2", "K=3", "K=4"]
     assert faster.split()[:2] == ["1.5x", "0.65"] and fastest.split()[:2] == ["2x", "-"]
+
+
+def test_non_decreasing_pools_dips_and_keeps_a_rising_curve():
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert non_decreasing([5.0, 1.0, 0.0]) == [2.0, 2.0, 2.0]
+    assert non_decreasing([0.08, 0.099, 0.106, 0.114, 0.133, 0.117, 0.126, 0.117]) == pytest.approx(
+        [0.08, 0.099, 0.106, 0.114, 0.12325, 0.12325, 0.12325, 0.12325]
+    )
+    assert non_decreasing([]) == []
+
+
+def test_timed_sweeps_interleave_the_runs():
+    order = []
+    runs = [lambda i=i: order.append(i) for i in range(3)]
+    ticks = []
+    medians = timed_sweeps(runs, warmup=1, repeats=2, advance=lambda: ticks.append(1))
+    assert order == [0, 1, 2, 0, 1, 2, 0, 1, 2] and len(ticks) == 6 and len(medians) == 3

@@ -155,11 +155,13 @@ def test_confidence_policy_verifies_a_confident_prefix_and_stays_exact(tmp_path)
         assert generate_tokens(
             prompt, target, runtime, max_tokens=30, policy=policy, stats=stats
         ) == baseline(model, prompt, 30)
-    assert all(1 <= k <= 8 for k in stats.drafted)
-    # cheap verification and confident drafts: verify everything; expensive: verify one
+    assert all(0 <= k <= 8 for k in stats.drafted)
+    # cheap verification and confident drafts: verify everything; each extra row a third of
+    # the first: verify one when it is likely right, none (a plain step) when it is not
     assert policy.profile.best_length([0.99] * 8, 64, verify_only=True) == 8
-    costly = synthetic_profile(tmp_path / "costly.json", verify_step=1.0, base=0.0)
-    assert costly.best_length([0.3] * 8, 64, verify_only=True) == 1
+    costly = synthetic_profile(tmp_path / "costly.json", verify_step=0.5, base=1.0)
+    assert costly.best_length([0.9, 0.3] + [0.3] * 6, 64, verify_only=True) == 1
+    assert costly.best_length([0.3] * 8, 64, verify_only=True) == 0
 
 
 def test_generate_with_a_dspark_drafter_prints_slots_and_lengths(tmp_path, capsys):

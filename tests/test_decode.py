@@ -2,6 +2,8 @@
 controls: a scripted one (exact acceptance patterns, EOS and max-tokens inside accepted runs)
 and a random Markov one whose distribution q is far from the target's p (sampling exactness)."""
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -109,6 +111,36 @@ def test_greedy_output_is_the_targets_own(model, k, pattern):
             assert sum(stats.accepted) == 0
 
 
+class CyclingPolicy:
+    """Draft lengths from a fixed cycle; 0 is a plain decoding step."""
+
+    needs_scores = False
+
+    def __init__(self, lengths):
+        self.lengths = itertools.cycle(lengths)
+
+    def draft_length(self, context):
+        return next(self.lengths)
+
+    def observe(self, verified, accepted):
+        pass
+
+
+def test_plain_decoding_rounds_mixed_with_drafting_rounds(model):
+    target = MlxTarget(model, [0, 2, 4])
+    for prompt in PROMPTS:
+        expected = baseline(model, prompt, 30)
+        drafter = ScriptedDrafter([None] + expected, 96, lambda p: p % 5 == 0).start(prompt)
+        stats = Stats()
+        policy = CyclingPolicy([0, 3, 0, 0, 2])
+        got = generate_tokens(prompt, target, drafter, max_tokens=30, policy=policy, stats=stats)
+        assert got == expected
+        assert stats.drafted[:5] == [0, 3, 0, 0, 2] and stats.accepted[0] == 0
+        # a plain decoding round still hands the drafter its row (anchor + one per token)
+        rows = sum(shape[0] for shape in drafter.taps_seen)
+        assert rows == len(prompt) + stats.rounds + sum(stats.accepted)
+
+
 def test_eos_and_max_tokens_inside_an_accepted_run(model):
     target = MlxTarget(model, [1, 3])
     prompt = PROMPTS[0]
@@ -207,6 +239,22 @@ def test_sampling_reproduces_the_target_distribution(sampling):
     # the same test catches sampling from the drafter instead of the target
     drafter_q = np.array(sampling.probabilities(MarkovDrafter(12, seed=11).table[prompt[-1]]))
     assert chi_square_exceeds(first, drafter_q) or np.allclose(drafter_q, first_p, atol=0.05)
+
+
+def test_a_sampled_plain_decoding_round_follows_the_target():
+    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    target = MlxTarget(model, [2])
+    sampling = Sampling(temperature=1.0)
+    _, second_p = exact_two_token_marginals(model, [3, 1], sampling)
+    second = np.zeros(12)
+    for seed in range(1500):
+        mx.random.seed(seed)
+        drafter = MarkovDrafter(12, seed=11)
+        tokens = generate_tokens(
+            [3, 1], target, drafter, max_tokens=2, policy=CyclingPolicy([0]), sampling=sampling
+        )
+        second[tokens[1]] += 1
+    assert not chi_square_exceeds(second, second_p)
 
 
 def test_mlx_lm_samples_the_distribution_we_compute():

@@ -108,6 +108,33 @@ def test_truncated_head_keeps_the_output(demo):
         assert generate_tokens(prompt, target, runtime, max_tokens=40, num_draft=4) == expected
 
 
+def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    path, model, tokenizer = demo
+    drafter = bigram_drafter(path)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    prompt = tokenizer.encode("The quick brown")
+    expected = baseline(model, prompt, 30)
+
+    def profile(first_row, next_row):
+        verify = [first_row + next_row * (k - 1) for k in range(1, 17)]
+        draft = [0.001 * k for k in range(1, 8)]
+        file = tmp_path / f"{first_row}-{next_row}.json"
+        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": draft}})
+        return LatencyProfile.load(file)
+
+    # every verified row costs what the first does (the reference BLAS): no draft pays
+    for profile_, plain in ((profile(0.02, 0.02), True), (profile(0.02, 0.001), False)):
+        policy = AutoPolicy(profile_, max_length=7, prior=[0.6] * 7)
+        stats = Stats()
+        assert generate_tokens(prompt, target, runtime, max_tokens=30, policy=policy, stats=stats) == expected
+        assert (set(stats.drafted) == {0}) == plain
+        assert plain or sum(stats.accepted) > 0
+
+
 def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
     from stats_helpers import chi_square_exceeds, exact_two_token_marginals
 

@@ -1,6 +1,7 @@
 """`woodcock demo` and `woodcock generate` end to end on the offline demo target."""
 
 import json
+import shlex
 
 import mlx.core as mx
 import numpy as np
@@ -89,3 +90,25 @@ def test_stop_strings_cut_the_text_where_plain_decoding_would(demo_dir, capsys):
     assert report["text"] == plain[: plain.index(stop)] and report["finish_reason"] == "stop"
     code, out, _ = run_cli(args, capsys)  # streamed: the held-back text never shows the stop string
     assert out.split("\n" + "=" * 10)[0] == plain[: plain.index(stop)]
+
+
+def test_generate_warns_of_a_slow_path_on_stderr(demo_dir, capsys):
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "Paris is", "--max-tokens", "8", "--no-chat", "--policy", "fixed:2"]
+    code, out, err = run_cli(args + ["--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    assert "woodcock: warning: weights in bfloat16 on the CPU backend" in err
+    assert "warning" not in out
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "weights in" not in err
+
+
+def test_the_command_demo_suggests_runs_and_drafts(tmp_path, capsys):
+    code, out, err = run_cli(["demo", str(tmp_path / "pair")], capsys)
+    assert code == 0, err
+    suggested = shlex.split(out.splitlines()[-1])
+    assert suggested[:2] == ["woodcock", "generate"]
+    code, out, err = run_cli(suggested[1:] + ["--max-tokens", "24"], capsys)
+    assert code == 0, err
+    acceptance = out.split("acceptance by position: ")[1].splitlines()[0].split()
+    assert len(acceptance) == 4 and float(acceptance[0]) > 0.5  # the bigram drafter mostly agrees

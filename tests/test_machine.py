@@ -17,6 +17,7 @@ from woodcock.runtime.machine import (
     machine_facts,
     slow_path_warnings,
 )
+from woodcock.runtime.openblas import usable_cores
 
 LINUX = platform.system() == "Linux"
 
@@ -163,7 +164,7 @@ def test_the_command_puts_openblas_under_mlx(opt_out):
     if openblas.exists() and not opt_out:
         assert report["blas"]["library"] == "openblas"
         assert report["blas"]["path"] == os.path.realpath(openblas)
-        assert report["threads"] == "1"
+        assert report["threads"] == str(usable_cores())
     elif "openblas" not in _ld_so_preload():
         assert report["blas"]["library"] != "openblas" and report["threads"] is None
 

@@ -284,6 +284,7 @@ def generate(
 
     from woodcock.runtime.generate import encode_prompt
     from woodcock.runtime.generate import generate as run_generate
+    from woodcock.runtime.machine import machine_facts, slow_path_warnings
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.sampling import Sampling
     from woodcock.runtime.session import open_session
@@ -302,6 +303,9 @@ def generate(
         mx.random.seed(seed)
     pair = _resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype)
+    # before any token, so that a user watching a slow stream knows why at once
+    for warning in slow_path_warnings(machine_facts(session.dtype_name)):
+        print(f"woodcock: warning: {warning}", file=sys.stderr)
     policy = _with_latency_file(policy, session, *pair)
     chosen_policy = parse_policy(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
@@ -342,6 +346,7 @@ def generate(
         typer.echo(json.dumps(report, indent=2))
         return
     acceptance = " ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
+    acceptance = acceptance or "- (plain decoding: no round drafted)"
     typer.echo(
         "\n"
         + "=" * 10
@@ -397,7 +402,7 @@ def latency(
     for size in session.choice.head_sizes:
         drafters[str(size)] = session.drafter_with_head(size)
     per_drafter = 1 if session.spec.is_block else 8
-    total = len(lengths) * MAX_VERIFY + len(drafters) * per_drafter
+    total = (len(lengths) * MAX_VERIFY + len(drafters) * per_drafter) * repeats
     with Progress(transient=True) as progress:
         task = progress.add_task("measuring", total=total)
         profile = measure(
@@ -407,7 +412,7 @@ def latency(
             repeats=repeats,
             advance=lambda: progress.advance(task),
         )
-    dtype_name = str(session.runtime_dtype).removeprefix("mlx.core.")
+    dtype_name = session.dtype_name
     facts = machine_facts(dtype_name)
     write_profile(
         out,
@@ -480,7 +485,7 @@ def bench(
             progress=lambda: progress.advance(task),
         )
     rows = summary_rows(results)
-    facts = machine_facts(str(session.runtime_dtype).removeprefix("mlx.core."))
+    facts = machine_facts(session.dtype_name)
     if chart is not None:
         write_chart(rows, str(chart))
     if as_json:
@@ -516,10 +521,12 @@ def demo(
         # the drafter records where its target lives once the directory has its final name
         drafter = _retarget(drafter, str(Path(dest).resolve() / "target"))
         native.write(drafter, out / "drafter")
+    # a fixed draft length: on a pair this small drafting costs about what verifying does, so
+    # `auto` may well decode plainly, which would hide what the demo is for
     typer.echo(
         f"wrote {dest}/target (mlx-lm model) and {dest}/drafter (EAGLE-3, woodcock format); try:\n"
         f"  woodcock generate --target {dest}/target --drafter {dest}/drafter"
-        ' --prompt "The quick brown" --no-chat'
+        ' --prompt "The quick brown" --no-chat --policy fixed:4'
     )
 
 

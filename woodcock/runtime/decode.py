@@ -22,6 +22,7 @@ from woodcock.runtime.target import MlxTarget
 
 PREFILL_CHUNK = 512
 GREEDY = Sampling()
+NO_DRAFTS = (mx.zeros((0,), mx.int32), mx.zeros((0, 0)))  # tokens [0], logits [0, Vh]
 
 
 class RuntimeDrafter(Protocol):
@@ -96,14 +97,20 @@ def speculative_generate_step(
     while True:
         context = target.offset + 1
         start = time.perf_counter()
-        drafts, draft_logits = drafter.propose(policy.draft_length(context), sampling.sample)
-        if policy.needs_scores:
-            drafts, draft_logits = _verified_prefix(policy, context, drafter, drafts, draft_logits)
+        drafts, draft_logits = NO_DRAFTS  # a plain decoding step unless the policy drafts
+        if length := policy.draft_length(context):
+            drafts, draft_logits = drafter.propose(length, sampling.sample)
+            if policy.needs_scores:
+                drafts, draft_logits = _verified_prefix(
+                    policy, context, drafter, drafts, draft_logits
+                )
         mx.eval(drafts, draft_logits)  # [k], [k, Vh]
         k = drafts.shape[0]
         drafted = time.perf_counter()
         logits, taps = target.forward(mx.concatenate([anchor[None].astype(drafts.dtype), drafts]))
-        if sampling.greedy:  # logits [k+1, V]
+        if k == 0:  # logits [k+1, V]
+            m, bonus = mx.array(0), sampling.sample(logits[0])
+        elif sampling.greedy:
             choice = mx.argmax(logits, axis=-1)
             m = mx.argmax(mx.concatenate([drafts != choice[:k], mx.array([True])]))
             bonus = choice[m]

@@ -6,6 +6,7 @@ latency.json:
      "dtype": ..., "draft_kind": "chain" | "block",
      "verify_seconds": {"<context>": [seconds to verify k = 1..16 tokens]},
      "draft_seconds": {"<head rows>": [seconds to draft k = 1..K tokens]}}
+Each list holds medians of interleaved timings, made non-decreasing in k (`measure`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ FORMAT = "woodcock-latency"
 MAX_VERIFY = 16
 QUICK_CONTEXT = 256  # the profile `--policy auto` measures when given no file
 QUICK_VERIFY = 8
+MEASURING = 2  # how `measure` times (2: interleaved sweeps, non-decreasing); part of the cache key
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,10 @@ class LatencyProfile:
     ) -> int:
         """The draft length K maximising expected tokens per second, where acceptance[j] is the
         probability that draft j+1 is accepted given the ones before it were: E(K) = 1 +
-        sum_k prod_{j<=k} acceptance[j] over `round_cost(K)`."""
-        best, best_rate, survive, expected = 1, 0.0, 1.0, 1.0
+        sum_k prod_{j<=k} acceptance[j] over `round_cost(K)`. K = 0 is a plain decoding step
+        (one token for one one-token verification, nothing drafted): chosen when no draft length
+        is expected to beat it."""
+        best, best_rate, survive, expected = 0, 1 / self.verify_cost(1, context), 1.0, 1.0
         for k in range(1, len(acceptance) + 1):
             survive *= acceptance[k - 1]
             expected += survive
@@ -156,16 +160,41 @@ def acceptance_needed_table(
     return rows
 
 
-def timed(fn, *, warmup: int = 2, repeats: int = 5) -> float:
-    """Median wall time of fn() (which must synchronise) after warm-up."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def timed_sweeps(
+    runs: Sequence[Callable[[], None]],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    advance: Callable[[], None] = lambda: None,
+) -> list[float]:
+    """Median wall time of each run (each must synchronise) after warm-up, timed in `repeats`
+    sweeps over all the runs in turn: a spell of a slower machine then raises every median a
+    little rather than a few neighbouring ones a lot (which would bend the curve a policy reads).
+    `advance` is called after each timing."""
+    for run in runs:
+        for _ in range(warmup):
+            run()
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return median(samples)
+        for run, taken in zip(runs, samples, strict=True):
+            start = time.perf_counter()
+            run()
+            taken.append(time.perf_counter() - start)
+            advance()
+    return [median(taken) for taken in samples]
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent
+    violators): verifying or drafting more tokens never costs less, so a dip is noise."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
 
 
 def write_profile(path: Path, data: dict) -> None:
@@ -184,7 +213,8 @@ def measure(
 ) -> dict:
     """Median seconds to verify k = 1..max_verify tokens at each context length, and to draft k
     tokens with each drafter (EAGLE-3: k chain steps after three new context rows, as in a round;
-    block drafters: one block). `advance` is called after each measurement (progress)."""
+    block drafters: one block), each curve made non-decreasing in k. `advance` is called after
+    each timing: repeats x (points measured) times."""
     import mlx.core as mx
 
     rng = np.random.default_rng(0)
@@ -196,7 +226,7 @@ def measure(
         logits, taps = target.forward(mx.array(rng.integers(0, vocab, context)))
         mx.eval(logits, taps)
         context_taps = taps
-        row = []
+        runs = []
         for k in range(1, max_verify + 1):
             tokens = mx.array(rng.integers(0, vocab, k))
 
@@ -205,9 +235,9 @@ def measure(
                 mx.eval(logits, taps)
                 target.rollback(k)
 
-            row.append(timed(verify_once, repeats=repeats))
-            advance()
-        verify[str(context)] = row
+            runs.append(verify_once)
+        row = timed_sweeps(runs, repeats=repeats, advance=advance)
+        verify[str(context)] = non_decreasing(row)
     draft: dict[str, list[float]] = {}
     for label, drafter in drafters.items():
         drafter.reset()
@@ -216,10 +246,8 @@ def measure(
         lengths = (
             [drafter.num_drafts] if hasattr(drafter, "num_drafts") else range(1, max_draft + 1)
         )
-        draft[label] = []
-        for k in lengths:
-            draft[label].append(timed(_drafting(drafter, k, new_rows), repeats=repeats))
-            advance()
+        runs = [_drafting(drafter, k, new_rows) for k in lengths]
+        draft[label] = non_decreasing(timed_sweeps(runs, repeats=repeats, advance=advance))
     kind = "block" if any(hasattr(d, "num_drafts") for d in drafters.values()) else "chain"
     return {"verify_seconds": verify, "draft_seconds": draft, "draft_kind": kind}
 
@@ -255,7 +283,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.session import DrafterChoice
 
-    dtype = str(session.runtime_dtype).removeprefix("mlx.core.")
+    dtype = session.dtype_name
     facts = machine_facts(dtype)
     blas = {k: v for k, v in facts.get("blas", {}).items() if k != "mapped"}  # import order
     key = {
@@ -263,6 +291,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         "target": _identity(target),
         "drafter": _identity(DrafterChoice.parse(drafter).source),
         "head": session.head_label,
+        "measuring": MEASURING,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     path = profile_cache_dir() / f"{digest[:20]}.json"
@@ -271,7 +300,8 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     drafters = {session.head_label: session.drafter}
     block = getattr(session.drafter, "num_drafts", None)
     verify = min(MAX_VERIFY, max(QUICK_VERIFY, (block or 0) + 1))
-    total = verify + (1 if block else QUICK_VERIFY - 1)
+    repeats = 3
+    total = (verify + (1 if block else QUICK_VERIFY - 1)) * repeats
     done = 0
 
     def advance() -> None:
@@ -286,7 +316,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         contexts=(QUICK_CONTEXT,),
         max_verify=verify,
         max_draft=QUICK_VERIFY - 1,
-        repeats=3,
+        repeats=repeats,
         advance=advance,
     )
     path.parent.mkdir(parents=True, exist_ok=True)

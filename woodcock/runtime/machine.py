@@ -74,7 +74,7 @@ def slow_path_warnings(facts: dict) -> list[str]:
         else:
             fix = (
                 f"the woodcock command loads {openblas} itself (unless {OPT_OUT}=0); elsewhere run"
-                f" with LD_PRELOAD={openblas} OPENBLAS_NUM_THREADS=1"
+                f" with LD_PRELOAD={openblas}"
             )
         warnings.append(
             f"MLX's CPU backend calls the reference (netlib) BLAS ({blas_facts.get('path')}):"

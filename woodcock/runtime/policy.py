@@ -9,6 +9,9 @@ auto:FILE            chain drafters: choose K before each round from a running e
                      acceptance by position and the latency curve; then verify only as far as
                      the drafter's own probabilities say is worth it
 
+Both adaptive policies may choose 0: a plain decoding step, when the profile says that no draft
+(or no verified prefix) is expected to be faster than decoding one token.
+
 FILE is a `woodcock latency` profile; the woodcock command measures one and keeps it in the user
 cache when `auto` or `confidence` comes without one (`latency.cached_profile`).
 """

@@ -102,6 +102,11 @@ class Session:
     shared: dict | None = None
     runtime_dtype: object = mx.float32
 
+    @property
+    def dtype_name(self) -> str:
+        """The runtime dtype as users write it ("float32")."""
+        return str(self.runtime_dtype).removeprefix("mlx.core.")
+
     def drafter_with_head(self, head_size: int | None):
         """Another runtime drafter over the same weights, with a truncated head (None: full)."""
         head_ids = None if head_size is None else truncated_head(self.ir, self.choice, head_size)
