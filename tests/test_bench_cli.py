@@ -91,6 +91,8 @@ def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     code, out, err = run_cli(args + ["--chart", str(chart)], capsys)
     assert code == 0, err
     assert "greedy outputs identical to plain mlx-lm decoding on 2 of 2 prompts" in out
+    setting = next(line for line in out.splitlines() if line.startswith("policy auto:"))
+    assert ", 16 new tokens, greedy, batch 1; " in setting and " backend, BLAS " in setting
     for column in ("baseline tok/s", "woodcock tok/s", "speedup", "tok/round", "acceptance by position"):
         assert column in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -497,7 +497,13 @@ def bench(
         )
     else:
         typer.echo(render_table(rows))
-        typer.echo(f"policy {policy}, {max_tokens} new tokens, greedy, batch 1")
+        backend = (facts.get("mlx") or {}).get("backend")
+        blas = (facts.get("blas") or {}).get("library") or "unknown"
+        threads = facts.get("openblas_num_threads") if blas == "openblas" else None
+        typer.echo(
+            f"policy {policy}, {max_tokens} new tokens, greedy, batch 1; {backend} backend,"
+            f" BLAS {blas}" + (f" on {threads} threads" if threads else "")
+        )
     for warning in slow_path_warnings(facts):
         print(f"woodcock: warning: {warning}", file=sys.stderr)
     if rows[-1]["identical"] != rows[-1]["prompts"]:
