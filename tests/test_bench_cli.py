@@ -62,13 +62,13 @@ def test_auto_policy_without_a_file_measures_once_and_keeps_the_profile(demo, ca
     (profile,) = (tmp_path / "woodcock" / "latency").glob("*.json")
     assert first["policy"] == f"auto:{profile}"
     data = json.loads(profile.read_text())
-    assert list(data["verify_seconds"]) == ["256"] and len(data["verify_seconds"]["256"]) == 8
+    assert list(data["verify_seconds"]) == ["256"] and len(data["verify_seconds"]["256"]) == 16
     assert list(data["draft_seconds"]) == ["full"] and len(data["draft_seconds"]["full"]) == 7
-    assert LatencyProfile.load(profile).max_verify == 8
+    assert LatencyProfile.load(profile).max_verify == 16
     written = profile.stat().st_mtime_ns
     second = json.loads(run_cli(args + ["--policy", "auto"], capsys)[1])
     assert profile.stat().st_mtime_ns == written and second["policy"] == first["policy"]
-    assert max(second["draft_lengths"]) <= 7
+    assert max(second["draft_lengths"]) <= 15
     fixed = json.loads(run_cli(args + ["--policy", "fixed:2"], capsys)[1])
     assert first["text"] == second["text"] == fixed["text"]
     # another head is another profile
@@ -93,13 +93,19 @@ def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     assert "greedy outputs identical to plain mlx-lm decoding on 2 of 2 prompts" in out
     setting = next(line for line in out.splitlines() if line.startswith("policy auto:"))
     assert ", 16 new tokens, greedy, batch 1; " in setting and " backend, BLAS " in setting
-    for column in ("baseline tok/s", "woodcock tok/s", "speedup", "tok/round", "acceptance by position"):
+    assert " with prompt lookup, " in setting
+    for column in ("baseline tok/s", "woodcock tok/s", "speedup", "tok/round", "copied", "acceptance by position"):
         assert column in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out, err = run_cli(args + ["--json"], capsys)
     report = json.loads(out)
     assert [row["domain"] for row in report["rows"]] == ["chat", "code", "all"]
-    assert report["rows"][-1]["identical"] == 2
+    assert report["rows"][-1]["identical"] == 2 and report["lookup"] is True
+    assert all(0 <= row["copied_rounds"] <= row["rounds"] for row in report["rows"])
+    code, out, err = run_cli(args + ["--json", "--no-lookup"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["lookup"] is False and report["rows"][-1]["copied_rounds"] == 0
 
 
 def test_ngram_drafter_through_generate_and_bench(demo, capsys):

@@ -14,6 +14,7 @@ from stats_helpers import chi_square_exceeds, exact_two_token_marginals
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, generate_tokens, speculative_generate_step
+from woodcock.runtime.ngram import PromptLookup
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
 
@@ -125,6 +126,12 @@ class CyclingPolicy:
     def observe(self, verified, accepted):
         pass
 
+    def copy_length(self, context, proposed):
+        return proposed
+
+    def observe_copy(self, verified, accepted):
+        pass
+
 
 def test_plain_decoding_rounds_mixed_with_drafting_rounds(model):
     target = MlxTarget(model, [0, 2, 4])
@@ -139,6 +146,63 @@ def test_plain_decoding_rounds_mixed_with_drafting_rounds(model):
         # a plain decoding round still hands the drafter its row (anchor + one per token)
         rows = sum(shape[0] for shape in drafter.taps_seen)
         assert rows == len(prompt) + stats.rounds + sum(stats.accepted)
+
+
+class RecordingPolicy(CyclingPolicy):
+    """Copies at most `most_copied` tokens; records what it is told."""
+
+    def __init__(self, lengths, most_copied):
+        super().__init__(lengths)
+        self.most_copied = most_copied
+        self.observed, self.observed_copies = [], []
+
+    def observe(self, verified, accepted):
+        self.observed.append((verified, accepted))
+
+    def copy_length(self, context, proposed):
+        return min(proposed, self.most_copied)
+
+    def observe_copy(self, verified, accepted):
+        self.observed_copies.append((verified, accepted))
+
+
+def looping(model):
+    """Every attention output projection zeroed: each position's logits depend on its own token
+    only, so greedy decoding falls into a short loop that prompt lookup can copy."""
+    for layer in model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_prompt_lookup_rounds_between_drafter_rounds(architecture):
+    model = looping(tiny_target(architecture, scale=0.5))
+    target = MlxTarget(model, [0, 2, 4])
+    for prompt in PROMPTS:
+        expected = baseline(model, prompt, 40)
+        drafter = MarkovDrafter(96, seed=3, head_ids=np.arange(0, 96, 3))
+        policy = RecordingPolicy([2, 0, 3], most_copied=5)
+        stats = Stats()
+        got = generate_tokens(
+            prompt,
+            target,
+            drafter,
+            max_tokens=40,
+            policy=policy,
+            stats=stats,
+            lookup=PromptLookup(96),
+        )
+        assert got == expected
+        assert any(stats.copied) and not all(stats.copied), stats.copied
+        copied = [(k, m) for k, m, c in zip(stats.drafted, stats.accepted, stats.copied) if c]
+        assert sum(m for _, m in copied) > len(copied)  # the loop is copied, not guessed
+        # the policy learns from drafts and copies apart, and caps the copies
+        drafted = [(k, m) for k, m, c in zip(stats.drafted, stats.accepted, stats.copied) if not c]
+        assert policy.observed == drafted and policy.observed_copies == copied
+        assert max(k for k, _ in copied) == 5
+        assert len(stats.acceptance_by_position()) <= 3
+        assert stats.copied_tokens_per_round == np.mean([m + 1 for _, m in copied])
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run(model):
@@ -254,6 +318,39 @@ def test_a_sampled_plain_decoding_round_follows_the_target():
             [3, 1], target, drafter, max_tokens=2, policy=CyclingPolicy([0]), sampling=sampling
         )
         second[tokens[1]] += 1
+    assert not chi_square_exceeds(second, second_p)
+
+
+def test_sampled_rounds_that_copy_follow_the_target():
+    """The second token comes from a round that copies whenever the first one closes a repeat
+    (about half of the runs here); its marginal is still the target's."""
+    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    target = MlxTarget(model, [2])
+    sampling = Sampling(temperature=1.0)
+    # the lookup sees [b, y, b, first] and copies when first = y: pick the prompt where that
+    # is nearest to even odds
+    prompt = min(
+        ([0, b, y, b] for b in range(12) for y in range(12) if y != b),
+        key=lambda p: abs(exact_two_token_marginals(model, p, sampling)[0][p[2]] - 0.5),
+    )
+    _, second_p = exact_two_token_marginals(model, prompt, sampling)
+    second, copied = np.zeros(12), 0
+    for seed in range(1500):
+        mx.random.seed(seed)
+        stats = Stats()
+        tokens = generate_tokens(
+            prompt,
+            target,
+            MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11]),
+            max_tokens=2,
+            num_draft=3,
+            sampling=sampling,
+            stats=stats,
+            lookup=PromptLookup(12),
+        )
+        second[tokens[1]] += 1
+        copied += stats.copied[0]
+    assert 300 < copied < 1200, copied
     assert not chi_square_exceeds(second, second_p)
 
 

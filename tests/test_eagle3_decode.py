@@ -155,3 +155,28 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
         second[tokens[1]] += 1
     assert not chi_square_exceeds(first, first_p)
     assert not chi_square_exceeds(second, second_p)
+
+
+def test_auto_policy_copies_as_far_as_the_profile_says_it_pays(tmp_path):
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    def policy(first_row, next_row):
+        verify = [first_row + next_row * (k - 1) for k in range(1, 17)]
+        file = tmp_path / f"{first_row}-{next_row}.json"
+        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.01] * 7}})
+        return AutoPolicy(LatencyProfile.load(file), max_length=7, prior=[0.6] * 7)
+
+    assert policy(0.02, 0.02).copy_length(64, 6) == 0  # every row costs a plain step: no copy pays
+    assert policy(0.02, 0.001).copy_length(64, 6) == 6
+    cheap = policy(0.02, 0.005)  # a row costs a quarter of a step: 3 of 6 at the prior's 0.8
+    assert cheap.copy_length(64, 6) == 3 and cheap.copy_length(64, 2) == 2
+    drafts_before = cheap.acceptance()
+    for _ in range(20):  # copies of six keep failing at their first token
+        if verified := cheap.copy_length(64, 6):  # as the loop asks, then reports
+            cheap.observe_copy(verified, 0)
+    assert cheap.copy_length(64, 6) == 0
+    assert cheap.copy_length(64, 5) == 3  # proposals of another length are estimated apart
+    assert cheap.acceptance() == drafts_before  # what copies do says nothing about the drafter
+    cheap.observe(3, 3)
+    assert cheap.acceptance()[0] > drafts_before[0]

@@ -43,8 +43,12 @@ def test_generate_streams_the_targets_text_and_reports(demo_dir, capsys, chat):
     code, out, err = run_cli(args + ([] if chat else ["--no-chat"]), capsys)
     assert code == 0, err
     assert out.startswith(plain_text(demo_dir / "target", "The quick brown", 40, chat))
-    for label in ("prompt:", "generation:", "tokens per round:", "acceptance by position:", "peak memory:"):
+    for label in ("prompt:", "generation:", "tokens per round:", "acceptance by position:", "prompt lookup:", "peak memory:"):
         assert label in out
+    code, without, err = run_cli(args + ([] if chat else ["--no-chat"]) + ["--no-lookup"], capsys)
+    assert code == 0, err
+    assert without.split("\n==========")[0] == out.split("\n==========")[0]
+    assert "prompt lookup:" not in without
 
 
 def test_generate_json_and_truncated_head(demo_dir, capsys):
@@ -59,7 +63,8 @@ def test_generate_json_and_truncated_head(demo_dir, capsys):
     truncated = json.loads(out)
     assert truncated["text"] == full["text"] == plain_text(demo_dir / "target", "Paris is", 30, False)
     assert full["tokens_per_round"] >= 1 and len(full["acceptance_by_position"]) == 4
-    assert set(full) >= {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "rounds", "draft_seconds", "verify_seconds", "peak_memory_gb", "finish_reason"}
+    assert set(full) >= {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "rounds", "draft_seconds", "verify_seconds", "peak_memory_gb", "finish_reason", "copied_rounds", "copied_tokens_per_round"}
+    assert 0 <= full["copied_rounds"] <= full["rounds"]
 
 
 def test_generate_sampling_is_seeded(demo_dir, capsys):

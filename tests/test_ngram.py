@@ -10,7 +10,7 @@ from mlx_targets import tiny_target
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, generate_tokens
-from woodcock.runtime.ngram import NgramDrafter
+from woodcock.runtime.ngram import NgramDrafter, PromptLookup
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
 
@@ -131,6 +131,34 @@ def test_protocol_and_errors():
         NgramDrafter(8, max_ngram=2, min_ngram=3)
     with pytest.raises(DrafterError, match="vocab_size = 0"):
         NgramDrafter(0)
+
+
+def test_match_length_is_what_a_proposal_copies_after():
+    drafter = drafter_with([1, 2, 3, 4, 2, 3], max_ngram=4)
+    assert drafter.match_length() == 2
+    assert drafter.continuation(2) == [4, 2] and drafter.last_match == 2
+    assert drafter_with([1, 2, 3]).match_length() == 0
+    assert drafter_with([5, 6, 5], min_ngram=2).match_length() == 0  # only a 1-token match
+
+
+def test_prompt_lookup_copies_only_after_a_repeat():
+    lookup = PromptLookup(50)
+    lookup.add_context(mx.array([1, 2, 3, 4], mx.int32))
+    assert lookup.copy_length() == 0  # nothing repeats
+    lookup.add_context([9, 3])
+    assert lookup.copy_length() == 0  # a one-token repeat is not enough
+    lookup.add_context([4])
+    assert lookup.copy_length() == 2 + 2  # "3 4" occurred before: the match and two more
+    tokens, logits = lookup.propose(lookup.copy_length(), GREEDY)
+    assert tokens.tolist() == [9, 3, 4, 9] and logits.shape == (4, 50)
+    loop = PromptLookup(50, max_match=6, max_copy=5)
+    loop.add_context(list(range(10)) * 3)
+    assert loop.match_length() == 6 and loop.copy_length() == 5
+    assert PromptLookup(50, extra=0).head_target_ids.tolist() == list(range(50))
+    with pytest.raises(DrafterError, match="extra = -1, max_copy = 4"):
+        PromptLookup(50, extra=-1, max_copy=4)
+    with pytest.raises(DrafterError, match="min_ngram = 3, max_ngram = 2"):
+        PromptLookup(50, min_match=3, max_match=2)
 
 
 # -- end to end: the loop with this drafter is plain greedy decoding ---------------------------

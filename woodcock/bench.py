@@ -31,8 +31,12 @@ class DomainResult:
         self.baseline_seconds += other.baseline_seconds
         self.woodcock_tokens += other.woodcock_tokens
         self.woodcock_seconds += other.woodcock_seconds
-        self.stats.drafted += other.stats.drafted
-        self.stats.accepted += other.stats.accepted
+        self.add_stats(other.stats)
+
+    def add_stats(self, stats: Stats) -> None:
+        self.stats.drafted += stats.drafted
+        self.stats.accepted += stats.accepted
+        self.stats.copied += stats.copied_by_round()
 
     def row(self) -> dict:
         baseline = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
@@ -44,9 +48,12 @@ class DomainResult:
             "baseline_tps": baseline,
             "woodcock_tps": ours,
             "speedup": ours / baseline if baseline else 0.0,
+            "rounds": self.stats.rounds,
             "tokens_per_round": self.stats.tokens_per_round,
             "average_draft_length": self.stats.average_draft_length,
             "acceptance_by_position": self.stats.acceptance_by_position(),
+            "copied_rounds": self.stats.copied_rounds,
+            "copied_tokens_per_round": self.stats.copied_tokens_per_round,
         }
 
 
@@ -97,8 +104,7 @@ def run_bench(
         result.baseline_seconds += baseline_seconds
         result.woodcock_tokens += len(ours.tokens)
         result.woodcock_seconds += ours.generation_seconds
-        result.stats.drafted += ours.stats.drafted
-        result.stats.accepted += ours.stats.accepted
+        result.add_stats(ours.stats)
         progress()
     return list(results.values())
 
@@ -113,18 +119,22 @@ def summary_rows(results: list[DomainResult]) -> list[dict]:
 def render_table(rows: list[dict]) -> str:
     header = (
         f"{'domain':<14}{'prompts':>8}{'baseline tok/s':>16}{'woodcock tok/s':>16}{'speedup':>9}"
-        f"{'tok/round':>11}{'avg K':>7}  acceptance by position"
+        f"{'tok/round':>11}{'avg K':>7}{'copied':>8}  acceptance by position (drafter)"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         acceptance = " ".join(f"{a:.2f}" for a in row["acceptance_by_position"])
+        copied = row["copied_rounds"] / row["rounds"] if row["rounds"] else 0.0
         lines.append(
             f"{row['domain']:<14}{row['prompts']:>8}{row['baseline_tps']:>16.1f}"
             f"{row['woodcock_tps']:>16.1f}{row['speedup']:>8.2f}x{row['tokens_per_round']:>11.2f}"
-            f"{row['average_draft_length']:>7.2f}  {acceptance}"
+            f"{row['average_draft_length']:>7.2f}{copied:>8.0%}  {acceptance}"
         )
     total = rows[-1]
     verdict = "identical" if total["identical"] == total["prompts"] else "DIFFERENT"
+    lines.append(
+        "copied: share of rounds that copied from the context (prompt lookup) instead of drafting"
+    )
     lines.append(
         f"greedy outputs {verdict} to plain mlx-lm decoding on {total['identical']} of"
         f" {total['prompts']} prompts"

@@ -232,6 +232,16 @@ def parity(
         raise typer.Exit(1)
 
 
+LookupOption = Annotated[
+    bool,
+    typer.Option(
+        "--lookup/--no-lookup",
+        help="Rounds whose last tokens occurred before copy what followed them (prompt lookup)"
+        " instead of asking the drafter.",
+    ),
+]
+
+
 @app.command()
 def generate(
     drafter: Annotated[
@@ -274,6 +284,7 @@ def generate(
         str | None,
         typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
     ] = None,
+    lookup: LookupOption = True,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object at the end.")
     ] = False,
@@ -302,7 +313,7 @@ def generate(
     if seed is not None:
         mx.random.seed(seed)
     pair = _resolve_pair(target, drafter)
-    session = open_session(*pair, dtype=dtype)
+    session = open_session(*pair, dtype=dtype, lookup=lookup)
     # before any token, so that a user watching a slow stream knows why at once
     for warning in slow_path_warnings(machine_facts(session.dtype_name)):
         print(f"woodcock: warning: {warning}", file=sys.stderr)
@@ -335,6 +346,8 @@ def generate(
         "rounds": stats.rounds,
         "tokens_per_round": stats.tokens_per_round,
         "acceptance_by_position": stats.acceptance_by_position(),
+        "copied_rounds": stats.copied_rounds,
+        "copied_tokens_per_round": stats.copied_tokens_per_round,
         "policy": policy,
         "average_draft_length": stats.average_draft_length,
         "draft_lengths": stats.drafted,
@@ -347,6 +360,12 @@ def generate(
         return
     acceptance = " ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
     acceptance = acceptance or "- (plain decoding: no round drafted)"
+    copied = (
+        f"\nprompt lookup: {stats.copied_rounds} rounds copied from the context,"
+        f" {stats.copied_tokens_per_round:.2f} tokens each"
+        if session.lookup is not None
+        else ""
+    )
     typer.echo(
         "\n"
         + "=" * 10
@@ -354,7 +373,7 @@ def generate(
         f"\ngeneration: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens-per-sec"
         f"\ntokens per round: {stats.tokens_per_round:.2f} over {stats.rounds} rounds"
         f" (draft {stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s)"
-        f"\nacceptance by position: {acceptance}"
+        f"\nacceptance by position: {acceptance}{copied}"
         f"\ndraft length ({policy}): {stats.average_draft_length:.2f} on average;"
         f" per round {' '.join(map(str, stats.drafted[:32]))}{' ...' if stats.rounds > 32 else ''}"
         f"\npeak memory: {result.peak_memory_gb:.3f} GB"
@@ -451,6 +470,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    lookup: LookupOption = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     chart: Annotated[Path | None, typer.Option("--chart", help="Write a PNG chart.")] = None,
 ) -> None:
@@ -466,7 +486,7 @@ def bench(
 
     selected = load_prompts(domains.split(","), limit_per_domain=prompts)
     pair = _resolve_pair(target, drafter)
-    session = open_session(*pair, dtype=dtype)
+    session = open_session(*pair, dtype=dtype, lookup=lookup)
     policy = _with_latency_file(policy, session, *pair)
 
     def make_policy():
@@ -491,7 +511,13 @@ def bench(
     if as_json:
         typer.echo(
             json.dumps(
-                {"policy": policy, "max_tokens": max_tokens, "rows": rows, "machine": facts},
+                {
+                    "policy": policy,
+                    "lookup": session.lookup is not None,
+                    "max_tokens": max_tokens,
+                    "rows": rows,
+                    "machine": facts,
+                },
                 indent=2,
             )
         )
@@ -501,7 +527,8 @@ def bench(
         blas = (facts.get("blas") or {}).get("library") or "unknown"
         threads = facts.get("openblas_num_threads") if blas == "openblas" else None
         typer.echo(
-            f"policy {policy}, {max_tokens} new tokens, greedy, batch 1; {backend} backend,"
+            f"policy {policy}{' with prompt lookup' if session.lookup else ''},"
+            f" {max_tokens} new tokens, greedy, batch 1; {backend} backend,"
             f" BLAS {blas}" + (f" on {threads} threads" if threads else "")
         )
     for warning in slow_path_warnings(facts):

@@ -16,6 +16,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from woodcock.runtime.ngram import PromptLookup
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling, accept_drafts
 from woodcock.runtime.target import MlxTarget
@@ -43,6 +44,7 @@ class Stats:
     prompt_seconds: float = 0.0
     drafted: list[int] = field(default_factory=list)  # K of each round
     accepted: list[int] = field(default_factory=list)  # accepted drafts of each round
+    copied: list[bool] = field(default_factory=list)  # each round: copied by prompt lookup
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -58,15 +60,33 @@ class Stats:
     def tokens_per_round(self) -> float:
         return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
 
-    def acceptance_by_position(self) -> list[float]:
-        """Share of rounds whose draft at position i (0-based) was accepted, among rounds that
-        drafted that far."""
-        longest = max(self.drafted, default=0)
+    def acceptance_by_position(self, *, copied: bool = False) -> list[float]:
+        """Share of the drafter's rounds (copied=True: of the prompt-lookup rounds) whose draft
+        at position i (0-based) was accepted, among those that drafted that far."""
+        rounds = [
+            (k, m)
+            for k, m, c in zip(self.drafted, self.accepted, self.copied_by_round(), strict=True)
+            if c == copied
+        ]
         rates = []
-        for i in range(longest):
-            tried = sum(1 for k in self.drafted if k > i)
-            rates.append(sum(1 for m in self.accepted if m > i) / tried)
+        for i in range(max((k for k, _ in rounds), default=0)):
+            tried = sum(1 for k, _ in rounds if k > i)
+            rates.append(sum(1 for _, m in rounds if m > i) / tried)
         return rates
+
+    @property
+    def copied_rounds(self) -> int:
+        return sum(self.copied_by_round())
+
+    @property
+    def copied_tokens_per_round(self) -> float:
+        """Tokens a prompt-lookup round emitted on average (its accepted copies + one)."""
+        kept = [m + 1 for m, c in zip(self.accepted, self.copied_by_round(), strict=True) if c]
+        return sum(kept) / len(kept) if kept else 0.0
+
+    def copied_by_round(self) -> list[bool]:
+        """`copied`, or all False where the rounds were recorded without it (by hand)."""
+        return self.copied or [False] * len(self.accepted)
 
 
 def speculative_generate_step(
@@ -78,9 +98,12 @@ def speculative_generate_step(
     policy=None,
     sampling: Sampling = GREEDY,
     stats: Stats | None = None,
+    lookup: PromptLookup | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. Draft
-    length: num_draft (fixed), or a policy from woodcock.runtime.policy."""
+    length: num_draft (fixed), or a policy from woodcock.runtime.policy. lookup: rounds whose
+    recent tokens repeat copy from the context instead, as far as the policy's `copy_length`
+    says."""
     if (num_draft is None) == (policy is None):
         raise ValueError("give exactly one of num_draft and policy")
     policy = policy or FixedPolicy(num_draft)
@@ -90,15 +113,25 @@ def speculative_generate_step(
     start = time.perf_counter()
     logits, taps = _prefill(target, mx.array(prompt))  # [V], [P, A*Ht]
     anchor = sampling.sample(logits)
-    drafter.add_context(mx.concatenate([mx.array(prompt[1:], mx.int32), anchor[None]]), taps)
+    context_tokens = mx.concatenate([mx.array(prompt[1:], mx.int32), anchor[None]])
+    drafter.add_context(context_tokens, taps)
     mx.eval(anchor)
+    if lookup is not None:
+        lookup.reset()
+        lookup.add_context(context_tokens)
     stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
     yield anchor.item(), False
     while True:
         context = target.offset + 1
         start = time.perf_counter()
         drafts, draft_logits = NO_DRAFTS  # a plain decoding step unless the policy drafts
-        if length := policy.draft_length(context):
+        head_ids = drafter.head_target_ids
+        copy = lookup.copy_length() if lookup is not None else 0
+        copy = policy.copy_length(context, copy) if copy else 0
+        if copy:
+            drafts, draft_logits = lookup.propose(copy, sampling.sample)
+            head_ids = lookup.head_target_ids
+        elif length := policy.draft_length(context):
             drafts, draft_logits = drafter.propose(length, sampling.sample)
             if policy.needs_scores:
                 drafts, draft_logits = _verified_prefix(
@@ -116,17 +149,19 @@ def speculative_generate_step(
             bonus = choice[m]
         else:
             q = mx.zeros((k, logits.shape[-1]))
-            q[:, drafter.head_target_ids] = sampling.probabilities(draft_logits)
+            q[:, head_ids] = sampling.probabilities(draft_logits)
             m, bonus = accept_drafts(drafts, q, sampling.probabilities(logits))
         mx.eval(m, bonus, taps)
         m = m.item()
         target.rollback(k - m)
-        drafter.add_context(
-            mx.concatenate([drafts[:m], bonus[None].astype(drafts.dtype)]), taps[: m + 1]
-        )
-        policy.observe(k, m)
+        accepted = mx.concatenate([drafts[:m], bonus[None].astype(drafts.dtype)])
+        drafter.add_context(accepted, taps[: m + 1])
+        if lookup is not None:
+            lookup.add_context(accepted)
+        (policy.observe_copy if copy else policy.observe)(k, m)
         stats.drafted.append(k)
         stats.accepted.append(m)
+        stats.copied.append(bool(copy))
         stats.draft_seconds += drafted - start
         stats.verify_seconds += time.perf_counter() - drafted
         for token in drafts[:m].tolist():
@@ -171,11 +206,19 @@ def generate_tokens(
     sampling: Sampling = GREEDY,
     eos_ids: Sequence[int] = (),
     stats: Stats | None = None,
+    lookup: PromptLookup | None = None,
 ) -> list[int]:
     """Tokens as plain decoding would emit them: stop before an EOS token or at max_tokens."""
     out: list[int] = []
     steps = speculative_generate_step(
-        prompt, target, drafter, num_draft=num_draft, policy=policy, sampling=sampling, stats=stats
+        prompt,
+        target,
+        drafter,
+        num_draft=num_draft,
+        policy=policy,
+        sampling=sampling,
+        stats=stats,
+        lookup=lookup,
     )
     for token, _ in steps:
         if token in eos_ids or len(out) == max_tokens:

@@ -105,6 +105,7 @@ def generate(
         policy=policy,
         sampling=sampling,
         stats=stats,
+        lookup=session.lookup,
     )
     start = time.perf_counter()
     first_token_at = [0.0]

@@ -29,8 +29,11 @@ from woodcock.jsonfile import read_json_object
 FORMAT = "woodcock-latency"
 MAX_VERIFY = 16
 QUICK_CONTEXT = 256  # the profile `--policy auto` measures when given no file
-QUICK_VERIFY = 8
-MEASURING = 2  # how `measure` times (2: interleaved sweeps, non-decreasing); part of the cache key
+QUICK_VERIFY = MAX_VERIFY  # prompt lookup copies up to 15 tokens
+QUICK_DRAFT = 7
+# how `cached_profile` measures, part of its cache key: 2 = interleaved sweeps made
+# non-decreasing, 3 = verifying up to 16 tokens instead of 8
+MEASURING = 3
 
 
 @dataclass(frozen=True)
@@ -274,10 +277,10 @@ def profile_cache_dir() -> Path:
 
 def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path:
     """The latency profile `--policy auto` / `confidence` use when given no file: measured once
-    (context QUICK_CONTEXT, verifying 1..QUICK_VERIFY tokens or a block and one, the session's own
-    drafter and head) and kept in the user cache under a key of the machine facts (CPU, BLAS,
-    threads, versions), the target and drafter paths with their modification times, the dtype
-    and the head."""
+    (context QUICK_CONTEXT, verifying 1..QUICK_VERIFY tokens, drafting 1..QUICK_DRAFT tokens or
+    one block with the session's own drafter and head) and kept in the user cache under a key
+    of the machine facts (CPU, BLAS, threads, versions), the target and drafter paths with their
+    modification times, the dtype and the head."""
     # imported here: both load MLX, and this module (imported by policy.py) stays MLX-free so
     # that OpenBLAS can still be opened under MLX after importing it (runtime/openblas.py)
     from woodcock.runtime.machine import machine_facts
@@ -299,9 +302,8 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         return path
     drafters = {session.head_label: session.drafter}
     block = getattr(session.drafter, "num_drafts", None)
-    verify = min(MAX_VERIFY, max(QUICK_VERIFY, (block or 0) + 1))
     repeats = 3
-    total = (verify + (1 if block else QUICK_VERIFY - 1)) * repeats
+    total = (QUICK_VERIFY + (1 if block else QUICK_DRAFT)) * repeats
     done = 0
 
     def advance() -> None:
@@ -314,8 +316,8 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         session.target,
         drafters,
         contexts=(QUICK_CONTEXT,),
-        max_verify=verify,
-        max_draft=QUICK_VERIFY - 1,
+        max_verify=QUICK_VERIFY,
+        max_draft=QUICK_DRAFT,
         repeats=repeats,
         advance=advance,
     )

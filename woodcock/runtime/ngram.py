@@ -87,17 +87,28 @@ class NgramDrafter:
         if not history:
             raise DrafterError("propose: no context; call add_context first")
         size = len(history)
+        self.last_match, start = self._longest_match()
+        if not self.last_match:
+            return [history[-1]] * k
+        copied = history[start : start + k]
+        # overlapping copy: position start + j is in history or among the drafts
+        while len(copied) < k:
+            copied.append(copied[len(copied) - (size - start)])
+        return copied[:k]
+
+    def match_length(self) -> int:
+        """Length of the longest suffix of the history (min_ngram..max_ngram tokens) seen
+        before; 0 when there is none. What a proposal would copy after."""
+        return self._longest_match()[0]
+
+    def _longest_match(self) -> tuple[int, int]:
+        """(n, index of the token that followed the suffix's latest earlier occurrence)."""
+        history, size = self.history, len(self.history)
         for n in range(min(self.max_ngram, size), self.min_ngram - 1, -1):
             start = self._follower.get(tuple(history[size - n :]))
             if start is not None:
-                self.last_match = n
-                copied = history[start : start + k]
-                # overlapping copy: position start + j is in history or among the drafts
-                while len(copied) < k:
-                    copied.append(copied[len(copied) - (size - start)])
-                return copied[:k]
-        self.last_match = 0
-        return [history[-1]] * k
+                return n, start
+        return 0, 0
 
     def propose(self, k: int, sampler: Callable[[mx.array], mx.array]) -> tuple[mx.array, mx.array]:
         """-> (draft tokens [k] int32, logits [k, V] putting all mass on them).
@@ -114,3 +125,35 @@ class NgramDrafter:
                 f" [{k}, {self.vocab_size}]: expected [{k}] (one token per row)"
             )
         return drafts.astype(mx.int32), logits
+
+
+class PromptLookup(NgramDrafter):
+    """Copying next to a model drafter: a round copies from the context instead of asking the
+    drafter when the last `min_match`..`max_match` tokens occurred before, and copies
+    `extra` tokens more than the match is long (at most `max_copy`). Small targets loop and
+    quote (the default target repeats itself in about half of its long answers), and there a
+    copy is accepted far more often than a drafter's guess; elsewhere two repeated tokens are
+    rare enough that the drafter keeps most rounds. On the default pair, simulated on the
+    benchmark's own greedy outputs before it was built: 2.23 -> 2.83 tokens per round."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        min_match: int = 2,
+        max_match: int = 16,
+        extra: int = 2,
+        max_copy: int = 15,
+    ):
+        super().__init__(vocab_size, max_ngram=max_match, min_ngram=min_match)
+        if extra < 0 or max_copy < 1:
+            raise DrafterError(
+                f"PromptLookup: extra = {extra}, max_copy = {max_copy}: expected extra >= 0 and"
+                " max_copy >= 1"
+            )
+        self.extra, self.max_copy = extra, max_copy
+
+    def copy_length(self) -> int:
+        """How many tokens this round should copy; 0: let the drafter draft."""
+        matched = self.match_length()
+        return min(matched + self.extra, self.max_copy) if matched else 0

@@ -101,6 +101,7 @@ class Session:
     ir: Drafter | None = None
     shared: dict | None = None
     runtime_dtype: object = mx.float32
+    lookup: object = None  # PromptLookup next to a model drafter, or None
 
     @property
     def dtype_name(self) -> str:
@@ -128,10 +129,16 @@ def _runtime_drafter(drafter: Drafter, shared, dtype, head_ids):
 
 
 def open_session(
-    target_source: str, drafter_text: str, *, dtype: str | None = None, many_heads: bool = False
+    target_source: str,
+    drafter_text: str,
+    *,
+    dtype: str | None = None,
+    many_heads: bool = False,
+    lookup: bool = True,
 ) -> Session:
     """many_heads: the caller measures several head sizes (`drafter_with_head`); otherwise at
-    most one size may be given and the session's drafter uses it."""
+    most one size may be given and the session's drafter uses it. lookup: rounds whose recent
+    tokens repeat copy from the context instead of asking the model drafter (PromptLookup)."""
     from mlx_lm import load
 
     choice = DrafterChoice.parse(drafter_text)
@@ -159,6 +166,8 @@ def open_session(
     size = choice.head_sizes[0] if len(choice.head_sizes) == 1 else None
     head_ids = None if size is None else truncated_head(drafter, choice, size)
     runtime = _runtime_drafter(drafter, shared, runtime_dtype, head_ids)
+    from woodcock.runtime.ngram import PromptLookup
+
     return Session(
         model,
         tokenizer,
@@ -171,4 +180,5 @@ def open_session(
         ir=drafter,
         shared=shared,
         runtime_dtype=runtime_dtype,
+        lookup=PromptLookup(target.vocab_size) if lookup else None,
     )
