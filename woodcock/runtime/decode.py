@@ -60,13 +60,13 @@ class Stats:
     def tokens_per_round(self) -> float:
         return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
 
-    def acceptance_by_position(self, *, copied: bool = False) -> list[float]:
-        """Share of the drafter's rounds (copied=True: of the prompt-lookup rounds) whose draft
-        at position i (0-based) was accepted, among those that drafted that far."""
+    def acceptance_by_position(self) -> list[float]:
+        """Share of the drafter's rounds (not those that copied) whose draft at position i
+        (0-based) was accepted, among those that drafted that far."""
         rounds = [
             (k, m)
             for k, m, c in zip(self.drafted, self.accepted, self.copied_by_round(), strict=True)
-            if c == copied
+            if not c
         ]
         rates = []
         for i in range(max((k for k, _ in rounds), default=0)):

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from woodcock.errors import DrafterError
+from woodcock.runtime.latency import MAX_VERIFY
 
 NO_MASS = -1e9  # the logit of every token that is not the proposed one
 
@@ -131,10 +132,11 @@ class PromptLookup(NgramDrafter):
     """Copying next to a model drafter: a round copies from the context instead of asking the
     drafter when the last `min_match`..`max_match` tokens occurred before, and copies
     `extra` tokens more than the match is long (at most `max_copy`). Small targets loop and
-    quote (the default target repeats itself in about half of its long answers), and there a
-    copy is accepted far more often than a drafter's guess; elsewhere two repeated tokens are
-    rare enough that the drafter keeps most rounds. On the default pair, simulated on the
-    benchmark's own greedy outputs before it was built: 2.23 -> 2.83 tokens per round."""
+    quote: in 20 of the default target's 40 greedy benchmark answers more than a quarter of the
+    tokens continue an earlier repeat of eight or more tokens, and there a copy is accepted far
+    more often than a drafter's guess; elsewhere two repeated tokens are rare enough that the
+    drafter keeps most rounds. `woodcock bench` on the default pair, auto, 10 prompts per
+    domain: 1.25x without, 1.96x with."""
 
     def __init__(
         self,
@@ -143,7 +145,7 @@ class PromptLookup(NgramDrafter):
         min_match: int = 2,
         max_match: int = 16,
         extra: int = 2,
-        max_copy: int = 15,
+        max_copy: int = MAX_VERIFY - 1,
     ):
         super().__init__(vocab_size, max_ngram=max_match, min_ngram=min_match)
         if extra < 0 or max_copy < 1:
