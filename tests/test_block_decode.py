@@ -164,6 +164,27 @@ def test_confidence_policy_verifies_a_confident_prefix_and_stays_exact(tmp_path)
     assert costly.best_length([0.3] * 8, 64, verify_only=True) == 0
 
 
+def test_prompt_lookup_between_block_rounds_stays_exact(tmp_path):
+    from woodcock.runtime.ngram import PromptLookup
+
+    model = tiny_target("llama", scale=0.5)
+    for layer in model.layers:  # each position's logits from its own token: greedy loops
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    drafter = random_drafter(
+        block_spec(model, "dspark", block_size=4, sample_from_anchor=True), seed=2
+    )
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = BlockDrafter(drafter, target.shared_tensors())
+    policy = ConfidencePolicy(synthetic_profile(tmp_path / "latency.json"), runtime.num_drafts)
+    for prompt in ([1, 2, 3], list(range(30, 45))):
+        stats = Stats()
+        assert generate_tokens(
+            prompt, target, runtime, max_tokens=40, policy=policy, stats=stats, lookup=PromptLookup(96)
+        ) == baseline(model, prompt, 40)
+        assert any(stats.copied) and not all(stats.copied)
+        assert max(k for k, c in zip(stats.drafted, stats.copied) if c) <= 4  # at most a block
+
+
 def test_generate_with_a_dspark_drafter_prints_slots_and_lengths(tmp_path, capsys):
     from woodcock.cli import main
     from woodcock.demo import write_tiny_target
