@@ -36,7 +36,7 @@ class DomainResult:
     def add_stats(self, stats: Stats) -> None:
         self.stats.drafted += stats.drafted
         self.stats.accepted += stats.accepted
-        self.stats.copied += stats.copied_by_round()
+        self.stats.copied += stats.copied
 
     def row(self) -> dict:
         baseline = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0

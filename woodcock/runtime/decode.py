@@ -65,7 +65,7 @@ class Stats:
         (0-based) was accepted, among those that drafted that far."""
         rounds = [
             (k, m)
-            for k, m, c in zip(self.drafted, self.accepted, self.copied_by_round(), strict=True)
+            for k, m, c in zip(self.drafted, self.accepted, self.copied, strict=True)
             if not c
         ]
         rates = []
@@ -76,17 +76,13 @@ class Stats:
 
     @property
     def copied_rounds(self) -> int:
-        return sum(self.copied_by_round())
+        return sum(self.copied)
 
     @property
     def copied_tokens_per_round(self) -> float:
         """Tokens a prompt-lookup round emitted on average (its accepted copies + one)."""
-        kept = [m + 1 for m, c in zip(self.accepted, self.copied_by_round(), strict=True) if c]
+        kept = [m + 1 for m, c in zip(self.accepted, self.copied, strict=True) if c]
         return sum(kept) / len(kept) if kept else 0.0
-
-    def copied_by_round(self) -> list[bool]:
-        """`copied`, or all False where the rounds were recorded without it (by hand)."""
-        return self.copied or [False] * len(self.accepted)
 
 
 def speculative_generate_step(
