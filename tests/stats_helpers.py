@@ -21,10 +21,15 @@ def chi_square_exceeds(counts: np.ndarray, probs: np.ndarray, z: float = 3.7) ->
     return statistic > critical
 
 
-def exact_two_token_marginals(model, prompt, sampling):
-    """P(first token), P(second token) of plain sampling, computed from the target's logits."""
-    logits = model(mx.array([prompt]))[0, -1]
-    first = np.array(sampling.probabilities(logits))
-    batch = mx.array([prompt + [t] for t in range(len(first))])
-    second = np.array(sampling.probabilities(model(batch)[:, -1]))
-    return first, first @ second
+def exact_marginals(model, prompt, sampling, tokens):
+    """[P(token i) for i = 1..tokens] of plain sampling, computed from the target's logits over
+    every continuation (vocab ** (tokens - 1) rows in the last forward)."""
+    prefixes, weights, marginals = [list(prompt)], np.ones(1), []
+    while True:
+        probs = np.array(sampling.probabilities(model(mx.array(prefixes))[:, -1]))  # [N, V]
+        joint = weights[:, None] * probs
+        marginals.append(joint.sum(axis=0))
+        if len(marginals) == tokens:
+            return marginals
+        prefixes = [p + [t] for p in prefixes for t in range(probs.shape[1])]
+        weights = joint.reshape(-1)

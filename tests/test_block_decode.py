@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
-from stats_helpers import chi_square_exceeds, exact_two_token_marginals
+from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.formats import speculators
 from woodcock.loading import load_drafter
@@ -116,7 +116,7 @@ def test_sampling_with_a_dspark_drafter_follows_the_target(fields):
     runtime = BlockDrafter(drafter, target.shared_tensors())
     sampling = Sampling(temperature=1.0)
     prompt = [3, 1]
-    first_p, second_p = exact_two_token_marginals(model, prompt, sampling)
+    first_p, second_p = exact_marginals(model, prompt, sampling, 2)
     first, second = np.zeros(12), np.zeros(12)
     for seed in range(1200):
         mx.random.seed(seed)
@@ -182,7 +182,8 @@ def test_prompt_lookup_between_block_rounds_stays_exact(tmp_path):
             prompt, target, runtime, max_tokens=40, policy=policy, stats=stats, lookup=PromptLookup(96)
         ) == baseline(model, prompt, 40)
         assert any(stats.copied) and not all(stats.copied)
-        assert max(k for k, c in zip(stats.drafted, stats.copied) if c) <= 4  # at most a block
+        assert max(k for k, c in zip(stats.drafted, stats.copied, strict=True) if c) <= 4  # at most a block
+        assert max(stats.extended) <= 4  # copies after the drafts too
 
 
 def test_generate_with_a_dspark_drafter_prints_slots_and_lengths(tmp_path, capsys):

@@ -10,11 +10,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_targets import tiny_target
-from stats_helpers import chi_square_exceeds, exact_two_token_marginals
+from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, generate_tokens, speculative_generate_step
-from woodcock.runtime.ngram import PromptLookup
+from woodcock.runtime.ngram import MAX_COPY, PromptLookup
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
 
@@ -132,6 +132,12 @@ class CyclingPolicy:
     def observe_copy(self, verified, accepted):
         pass
 
+    def extension_length(self, context, drafted, proposed):
+        return proposed
+
+    def observe_extension(self, verified, accepted):
+        pass
+
 
 def test_plain_decoding_rounds_mixed_with_drafting_rounds(model):
     target = MlxTarget(model, [0, 2, 4])
@@ -149,12 +155,13 @@ def test_plain_decoding_rounds_mixed_with_drafting_rounds(model):
 
 
 class RecordingPolicy(CyclingPolicy):
-    """Copies at most `most_copied` tokens; records what it is told."""
+    """Copies at most `most_copied` tokens in a round of their own and `most_extended` after
+    drafts; records what it is told."""
 
-    def __init__(self, lengths, most_copied):
+    def __init__(self, lengths, most_copied, most_extended=MAX_COPY):
         super().__init__(lengths)
-        self.most_copied = most_copied
-        self.observed, self.observed_copies = [], []
+        self.most_copied, self.most_extended = most_copied, most_extended
+        self.observed, self.observed_copies, self.observed_extensions = [], [], []
 
     def observe(self, verified, accepted):
         self.observed.append((verified, accepted))
@@ -164,6 +171,21 @@ class RecordingPolicy(CyclingPolicy):
 
     def observe_copy(self, verified, accepted):
         self.observed_copies.append((verified, accepted))
+
+    def extension_length(self, context, drafted, proposed):
+        return min(proposed, self.most_extended)
+
+    def observe_extension(self, verified, accepted):
+        self.observed_extensions.append((verified, accepted))
+
+
+def with_lookup(prompt, target, drafter, policy):
+    """(40 tokens, stats) generated with prompt lookup."""
+    stats = Stats()
+    tokens = generate_tokens(
+        prompt, target, drafter, max_tokens=40, policy=policy, stats=stats, lookup=PromptLookup(96)
+    )
+    return tokens, stats
 
 
 def looping(model):
@@ -183,26 +205,41 @@ def test_prompt_lookup_rounds_between_drafter_rounds(architecture):
         expected = baseline(model, prompt, 40)
         drafter = MarkovDrafter(96, seed=3, head_ids=np.arange(0, 96, 3))
         policy = RecordingPolicy([2, 0, 3], most_copied=5)
-        stats = Stats()
-        got = generate_tokens(
-            prompt,
-            target,
-            drafter,
-            max_tokens=40,
-            policy=policy,
-            stats=stats,
-            lookup=PromptLookup(96),
-        )
+        got, stats = with_lookup(prompt, target, drafter, policy)
         assert got == expected
         assert any(stats.copied) and not all(stats.copied), stats.copied
-        copied = [(k, m) for k, m, c in zip(stats.drafted, stats.accepted, stats.copied) if c]
+        copied = [(k, m) for k, m, c in zip(stats.drafted, stats.accepted, stats.copied, strict=True) if c]
         assert sum(m for _, m in copied) > len(copied)  # the loop is copied, not guessed
         # the policy learns from drafts and copies apart, and caps the copies
-        drafted = [(k, m) for k, m, c in zip(stats.drafted, stats.accepted, stats.copied) if not c]
+        rounds = zip(stats.drafted, stats.accepted, stats.copied, stats.extended, strict=True)
+        drafted = [(k - e, min(m, k - e)) for k, m, c, e in rounds if not c]
         assert policy.observed == drafted and policy.observed_copies == copied
         assert max(k for k, _ in copied) == 5
         assert len(stats.acceptance_by_position()) <= 3
         assert stats.copied_tokens_per_round == np.mean([m + 1 for _, m in copied])
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_drafts_that_close_a_repeat_are_extended_by_a_copy(architecture):
+    model = looping(tiny_target(architecture, scale=0.5))
+    target = MlxTarget(model, [0, 2, 4])
+    extended_somewhere = False
+    for prompt in PROMPTS:
+        expected = baseline(model, prompt, 40)
+        drafter = ScriptedDrafter([None] + expected, 96, lambda p: p % 7 == 3).start(prompt)
+        policy = RecordingPolicy([2, 3, 0], most_copied=0, most_extended=6)
+        got, stats = with_lookup(prompt, target, drafter, policy)
+        assert got == expected
+        assert not any(stats.copied)
+        rounds = list(zip(stats.drafted, stats.accepted, stats.extended, strict=True))
+        # the drafter's part is what the policy drafted; the policy hears of it apart from the
+        # copies, which it hears of only when every draft was accepted
+        assert [(k - e, min(m, k - e)) for k, m, e in rounds] == policy.observed
+        tried = [(e, m - (k - e)) for k, m, e in rounds if e and m >= k - e]
+        assert policy.observed_extensions == tried
+        assert all(e <= 6 for _, _, e in rounds)
+        extended_somewhere |= any(e and m > k - e for k, m, e in rounds)  # copies accepted
+    assert extended_somewhere
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run(model):
@@ -287,7 +324,7 @@ def test_sampling_reproduces_the_target_distribution(sampling):
     model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
     target = MlxTarget(model, [2])
     prompt = [3, 1]
-    first_p, second_p = exact_two_token_marginals(model, prompt, sampling)
+    first_p, second_p = exact_marginals(model, prompt, sampling, 2)
     runs = 1500
     first, second = np.zeros(12), np.zeros(12)
     for seed in range(runs):
@@ -309,7 +346,7 @@ def test_a_sampled_plain_decoding_round_follows_the_target():
     model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
     target = MlxTarget(model, [2])
     sampling = Sampling(temperature=1.0)
-    _, second_p = exact_two_token_marginals(model, [3, 1], sampling)
+    _, second_p = exact_marginals(model, [3, 1], sampling, 2)
     second = np.zeros(12)
     for seed in range(1500):
         mx.random.seed(seed)
@@ -319,6 +356,24 @@ def test_a_sampled_plain_decoding_round_follows_the_target():
         )
         second[tokens[1]] += 1
     assert not chi_square_exceeds(second, second_p)
+
+
+def sampled_with_lookup(prompt, target, drafter, max_tokens, num_draft, sampling):
+    """(tokens, stats) of 1500 sampled runs with prompt lookup, seeds 0..1499."""
+    for seed in range(1500):
+        mx.random.seed(seed)
+        stats = Stats()
+        tokens = generate_tokens(
+            prompt,
+            target,
+            drafter,
+            max_tokens=max_tokens,
+            num_draft=num_draft,
+            sampling=sampling,
+            stats=stats,
+            lookup=PromptLookup(12),
+        )
+        yield tokens, stats
 
 
 def test_sampled_rounds_that_copy_follow_the_target():
@@ -331,27 +386,62 @@ def test_sampled_rounds_that_copy_follow_the_target():
     # is nearest to even odds
     prompt = min(
         ([0, b, y, b] for b in range(12) for y in range(12) if y != b),
-        key=lambda p: abs(exact_two_token_marginals(model, p, sampling)[0][p[2]] - 0.5),
+        key=lambda p: abs(exact_marginals(model, p, sampling, 1)[0][p[2]] - 0.5),
     )
-    _, second_p = exact_two_token_marginals(model, prompt, sampling)
+    _, second_p = exact_marginals(model, prompt, sampling, 2)
     second, copied = np.zeros(12), 0
-    for seed in range(1500):
-        mx.random.seed(seed)
-        stats = Stats()
-        tokens = generate_tokens(
-            prompt,
-            target,
-            MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11]),
-            max_tokens=2,
-            num_draft=3,
-            sampling=sampling,
-            stats=stats,
-            lookup=PromptLookup(12),
-        )
+    drafter = MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11])
+    for tokens, stats in sampled_with_lookup(prompt, target, drafter, 2, 3, sampling):
         second[tokens[1]] += 1
         copied += stats.copied[0]
     assert 300 < copied < 1200, copied
     assert not chi_square_exceeds(second, second_p)
+
+
+def test_sampled_drafts_extended_by_a_copy_follow_the_target():
+    """Round one drafts one token from the Markov drafter; when it closes a repeat of the
+    prompt the lookup copies on after it. Tokens two and three (the draft's and the copy's rows)
+    keep the target's marginals. The prompt is the one where the rejection rule has most to
+    reject in the copy's row among those extending in 30..70 % of the runs."""
+    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    target = MlxTarget(model, [2])
+    sampling = Sampling(temperature=1.0)
+
+    def drafter(b, c):
+        return MarkovDrafter(12, seed=11, head_ids=sorted({b, c}))
+
+    def next_token(tokens):
+        return np.array(sampling.probabilities(model(mx.array([tokens]))[0, -1]))
+
+    def odds(a, b, c):
+        """(P(extended), P(the copied token is tried and must be rejected))"""
+        prompt = [0, a, b, c]
+        first, q, extended, rejected = next_token(prompt), drafter(b, c), 0.0, 0.0
+        # history [a, b, c, first]: the draft d extends when (first, d) is (a, b) or (b, c)
+        for token, draft, copy in ((a, b, c), (b, c, a)):
+            q_draft = np.array(sampling.probabilities(q.table[token]))[list(q.head_ids).index(draft)]
+            p_draft = next_token(prompt + [token])[draft]
+            extended += first[token] * q_draft
+            tried = first[token] * min(q_draft, p_draft)
+            rejected += tried * (1 - next_token(prompt + [token, draft])[copy])
+        return extended, rejected
+
+    chances = {t: odds(*t) for t in itertools.permutations(range(12), 3)}
+    a, b, c = max(
+        (t for t, (extended, _) in chances.items() if 0.3 < extended < 0.7),
+        key=lambda t: chances[t][1],
+    )
+    prompt = [0, a, b, c]
+    _, second_p, third_p = exact_marginals(model, prompt, sampling, 3)
+    second, third, extended = np.zeros(12), np.zeros(12), 0
+    for tokens, stats in sampled_with_lookup(prompt, target, drafter(b, c), 3, 1, sampling):
+        second[tokens[1]] += 1
+        third[tokens[2]] += 1
+        extended += stats.extended[0] > 0
+        assert not stats.copied[0]
+    assert 300 < extended < 1200, extended
+    assert not chi_square_exceeds(second, second_p)
+    assert not chi_square_exceeds(third, third_p)
 
 
 def test_mlx_lm_samples_the_distribution_we_compute():
@@ -359,7 +449,7 @@ def test_mlx_lm_samples_the_distribution_we_compute():
     model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
     prompt = [3, 1]
     for sampling in SAMPLINGS:
-        first_p, _ = exact_two_token_marginals(model, prompt, sampling)
+        (first_p,) = exact_marginals(model, prompt, sampling, 1)
         sampler = make_sampler(
             temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
         )

@@ -136,7 +136,7 @@ def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
 
 
 def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
-    from stats_helpers import chi_square_exceeds, exact_two_token_marginals
+    from stats_helpers import chi_square_exceeds, exact_marginals
 
     from woodcock.runtime.sampling import Sampling
 
@@ -146,7 +146,7 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
     runtime = Eagle3Drafter(drafter, target.shared_tensors())
     sampling = Sampling(temperature=0.9, top_k=6)
     prompt = [5, 2, 7]
-    first_p, second_p = exact_two_token_marginals(model, prompt, sampling)
+    first_p, second_p = exact_marginals(model, prompt, sampling, 2)
     first, second = np.zeros(12), np.zeros(12)
     for seed in range(1200):
         mx.random.seed(seed)
@@ -180,3 +180,37 @@ def test_auto_policy_copies_as_far_as_the_profile_says_it_pays(tmp_path):
     assert cheap.acceptance() == drafts_before  # what copies do says nothing about the drafter
     cheap.observe(3, 3)
     assert cheap.acceptance()[0] > drafts_before[0]
+    # past the 16 measured rows the cost runs on at the row's slope; copies that keep being
+    # accepted whole are verified further each round, up to whole
+    looping = policy(0.02, 0.001)
+    assert looping.profile.verify_cost(32, 64) == pytest.approx(0.02 + 0.001 * 31)
+    assert looping.copy_length(64, 31) < 31  # at the prior's 0.8 a token
+    for _ in range(100):
+        looping.observe_copy(looping.copy_length(64, 31), looping.copy_length(64, 31))
+    assert looping.copy_length(64, 31) == 31
+
+
+def test_auto_policy_extends_drafts_as_far_as_the_profile_says_it_pays(tmp_path):
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    def policy(next_row, prior):
+        verify = [0.02 + next_row * (k - 1) for k in range(1, 17)]
+        file = tmp_path / f"{next_row}-{prior}.json"
+        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.001 * k for k in range(1, 8)]}})
+        return AutoPolicy(LatencyProfile.load(file), max_length=7, prior=[prior] * 7)
+
+    assert policy(0.0001, 0.6).extension_length(64, 2, 8) == 8  # rows are nearly free
+    assert policy(0.02, 0.95).extension_length(64, 2, 8) == 0  # a row costs a plain step
+    # the copy counts only once both drafts are accepted: after unlikely drafts it is not worth
+    # rows of a twentieth of a step, after likely ones most of it is
+    assert policy(0.001, 0.2).extension_length(64, 2, 8) == 0
+    assert 0 < policy(0.001, 0.6).extension_length(64, 2, 8) < policy(0.001, 0.95).extension_length(64, 2, 8) < 8
+    failing = policy(0.001, 0.6)
+    for _ in range(30):  # extensions of four keep failing at their first token
+        if verified := failing.extension_length(64, 2, 4):
+            failing.observe_extension(verified, 0)
+    assert failing.extension_length(64, 2, 4) == 0
+    # one estimate for copies of a length, in a round of their own or after drafts
+    assert failing.copy_length(64, 4) < policy(0.001, 0.6).copy_length(64, 4)
+    assert failing.extension_length(64, 2, 6) == policy(0.001, 0.6).extension_length(64, 2, 6) > 0

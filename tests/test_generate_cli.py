@@ -63,7 +63,7 @@ def test_generate_json_and_truncated_head(demo_dir, capsys):
     truncated = json.loads(out)
     assert truncated["text"] == full["text"] == plain_text(demo_dir / "target", "Paris is", 30, False)
     assert full["tokens_per_round"] >= 1 and len(full["acceptance_by_position"]) == 4
-    assert set(full) >= {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "rounds", "draft_seconds", "verify_seconds", "peak_memory_gb", "finish_reason", "copied_rounds", "copied_tokens_per_round"}
+    assert set(full) >= {"prompt_tokens", "prompt_tps", "generation_tokens", "generation_tps", "rounds", "draft_seconds", "verify_seconds", "peak_memory_gb", "finish_reason", "copied_rounds", "copied_tokens_per_round", "extended_rounds"}
     assert 0 <= full["copied_rounds"] <= full["rounds"]
 
 

@@ -23,19 +23,21 @@ def drafter_with(history, **kwargs):
     return drafter
 
 
-def reference(history, k, max_ngram=3, min_ngram=1):
-    """Brute force: longest suffix with an earlier occurrence, its most recent one, then an
-    overlapping copy; else the last token k times."""
-    size = len(history)
+def reference(history, k, max_ngram=3, min_ngram=1, after=()):
+    """Brute force: the longest suffix of history + after with an earlier occurrence in the
+    history that the history continues, its most recent one, then an overlapping copy; else the
+    last token k times."""
+    seen = list(history) + list(after)
+    size = len(seen)
     for n in range(min(max_ngram, size), min_ngram - 1, -1):
-        suffix = history[size - n :]
-        for start in range(size - n - 1, -1, -1):
-            if history[start : start + n] == suffix:
-                out = list(history)
+        suffix = seen[size - n :]
+        for start in range(len(history) - n - 1, -1, -1):
+            if seen[start : start + n] == suffix:
+                out = list(seen)
                 for j in range(k):
                     out.append(out[start + n + j])
                 return out[size:]
-    return [history[-1]] * k
+    return [seen[-1]] * k
 
 
 def test_longest_suffix_wins():
@@ -91,6 +93,20 @@ def test_matches_brute_force_whatever_the_chunking(history, cuts, k, max_ngram, 
     assert drafter.continuation(k) == reference(history, k, max_ngram, min_ngram)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    history=st.lists(st.integers(0, 4), min_size=1, max_size=30),
+    after=st.lists(st.integers(0, 4), max_size=6),
+    k=st.integers(1, 9),
+    max_ngram=st.integers(1, 4),
+)
+def test_continuation_after_drafts_matches_brute_force(history, after, k, max_ngram):
+    drafter = NgramDrafter(5, max_ngram=max_ngram, min_ngram=1)
+    drafter.add_context(history)
+    assert drafter.continuation(k, after) == reference(history, k, max_ngram, 1, after)
+    assert drafter.history == history  # the drafts are not added
+
+
 @pytest.mark.parametrize(
     "sampler",
     [GREEDY, Sampling(temperature=1.0).sample, Sampling(temperature=0.7, top_p=0.9).sample],
@@ -133,6 +149,21 @@ def test_protocol_and_errors():
         NgramDrafter(0)
 
 
+def test_prompt_lookup_extends_drafts_that_close_a_repeat():
+    lookup = PromptLookup(50, max_copy=9)
+    lookup.add_context([1, 2, 3, 4, 5, 6, 7, 8])
+    assert lookup.copy_length() == 0
+    # drafts 2 3 4 repeat three tokens: copy six after them, within 9 drafts in all
+    assert lookup.match_length([2, 3, 4]) == 3
+    assert lookup.copy_length([2, 3, 4]) == 6
+    assert lookup.continuation(6, [2, 3, 4]) == [5, 6, 7, 8, 2, 3]
+    assert lookup.copy_length([9, 3, 4]) == 4  # "3 4" only: 9 is new
+    assert lookup.copy_length([1, 2, 3, 4, 5, 6]) == 3  # room for 3 more
+    assert lookup.copy_length([1, 2, 3, 4, 5, 6, 7, 8, 1]) == 0  # no room
+    assert lookup.copy_length([9, 4]) == 0  # a one-token repeat is not enough
+    assert lookup.history == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def test_match_length_is_what_a_proposal_copies_after():
     drafter = drafter_with([1, 2, 3, 4, 2, 3], max_ngram=4)
     assert drafter.match_length() == 2
@@ -148,15 +179,14 @@ def test_prompt_lookup_copies_only_after_a_repeat():
     lookup.add_context([9, 3])
     assert lookup.copy_length() == 0  # a one-token repeat is not enough
     lookup.add_context([4])
-    assert lookup.copy_length() == 2 + 2  # "3 4" occurred before: the match and two more
-    tokens, logits = lookup.propose(lookup.copy_length(), GREEDY)
-    assert tokens.tolist() == [9, 3, 4, 9] and logits.shape == (4, 50)
+    assert lookup.copy_length() == 2 * 2  # "3 4" occurred before: as long again as the match
+    assert lookup.continuation(lookup.copy_length()) == [9, 3, 4, 9]
     loop = PromptLookup(50, max_match=6, max_copy=5)
     loop.add_context(list(range(10)) * 3)
     assert loop.match_length() == 6 and loop.copy_length() == 5
-    assert PromptLookup(50, extra=0).head_target_ids.tolist() == list(range(50))
-    with pytest.raises(DrafterError, match="extra = -1, max_copy = 4"):
-        PromptLookup(50, extra=-1, max_copy=4)
+    assert PromptLookup(50).max_copy == 31
+    with pytest.raises(DrafterError, match="max_copy = 0"):
+        PromptLookup(50, max_copy=0)
     with pytest.raises(DrafterError, match="min_ngram = 3, max_ngram = 2"):
         PromptLookup(50, min_match=3, max_match=2)
 

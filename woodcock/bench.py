@@ -37,6 +37,7 @@ class DomainResult:
         self.stats.drafted += stats.drafted
         self.stats.accepted += stats.accepted
         self.stats.copied += stats.copied
+        self.stats.extended += stats.extended
 
     def row(self) -> dict:
         baseline = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
@@ -54,6 +55,7 @@ class DomainResult:
             "acceptance_by_position": self.stats.acceptance_by_position(),
             "copied_rounds": self.stats.copied_rounds,
             "copied_tokens_per_round": self.stats.copied_tokens_per_round,
+            "extended_rounds": self.stats.extended_rounds,
         }
 
 

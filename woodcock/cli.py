@@ -348,6 +348,7 @@ def generate(
         "acceptance_by_position": stats.acceptance_by_position(),
         "copied_rounds": stats.copied_rounds,
         "copied_tokens_per_round": stats.copied_tokens_per_round,
+        "extended_rounds": stats.extended_rounds,
         "policy": policy,
         "average_draft_length": stats.average_draft_length,
         "draft_lengths": stats.drafted,
@@ -362,7 +363,8 @@ def generate(
     acceptance = acceptance or "- (plain decoding: no round drafted)"
     copied = (
         f"\nprompt lookup: {stats.copied_rounds} rounds copied from the context,"
-        f" {stats.copied_tokens_per_round:.2f} tokens each"
+        f" {stats.copied_tokens_per_round:.2f} tokens each; {stats.extended_rounds} drafter"
+        " rounds extended by a copy"
         if session.lookup is not None
         else ""
     )

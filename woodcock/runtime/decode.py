@@ -45,6 +45,8 @@ class Stats:
     drafted: list[int] = field(default_factory=list)  # K of each round
     accepted: list[int] = field(default_factory=list)  # accepted drafts of each round
     copied: list[bool] = field(default_factory=list)  # each round: copied by prompt lookup
+    # each round: drafts prompt lookup copied after the drafter's (0 in rounds that copied)
+    extended: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -62,10 +64,13 @@ class Stats:
 
     def acceptance_by_position(self) -> list[float]:
         """Share of the drafter's rounds (not those that copied) whose draft at position i
-        (0-based) was accepted, among those that drafted that far."""
+        (0-based) was accepted, among those that drafted that far; the drafter's drafts only,
+        not the copies that extended them."""
         rounds = [
-            (k, m)
-            for k, m, c in zip(self.drafted, self.accepted, self.copied, strict=True)
+            (k - e, min(m, k - e))
+            for k, m, c, e in zip(
+                self.drafted, self.accepted, self.copied, self.extended, strict=True
+            )
             if not c
         ]
         rates = []
@@ -84,6 +89,11 @@ class Stats:
         kept = [m + 1 for m, c in zip(self.accepted, self.copied, strict=True) if c]
         return sum(kept) / len(kept) if kept else 0.0
 
+    @property
+    def extended_rounds(self) -> int:
+        """The drafter's rounds that prompt lookup extended with a copy after the drafts."""
+        return sum(1 for e in self.extended if e)
+
 
 def speculative_generate_step(
     prompt: Sequence[int],
@@ -99,7 +109,8 @@ def speculative_generate_step(
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. Draft
     length: num_draft (fixed), or a policy from woodcock.runtime.policy. lookup: rounds whose
     recent tokens repeat copy from the context instead, as far as the policy's `copy_length`
-    says."""
+    says, and drafts that close a repeat are followed by a copy as far as its
+    `extension_length` says."""
     if (num_draft is None) == (policy is None):
         raise ValueError("give exactly one of num_draft and policy")
     policy = policy or FixedPolicy(num_draft)
@@ -121,46 +132,62 @@ def speculative_generate_step(
         context = target.offset + 1
         start = time.perf_counter()
         drafts, draft_logits = NO_DRAFTS  # a plain decoding step unless the policy drafts
-        head_ids = drafter.head_target_ids
+        copied: list[int] = []  # prompt lookup's drafts, after the drafter's if any
         copy = lookup.copy_length() if lookup is not None else 0
         copy = policy.copy_length(context, copy) if copy else 0
         if copy:
-            drafts, draft_logits = lookup.propose(copy, sampling.sample)
-            head_ids = lookup.head_target_ids
+            copied = lookup.continuation(copy)
         elif length := policy.draft_length(context):
             drafts, draft_logits = drafter.propose(length, sampling.sample)
             if policy.needs_scores:
                 drafts, draft_logits = _verified_prefix(
                     policy, context, drafter, drafts, draft_logits
                 )
-        mx.eval(drafts, draft_logits)  # [k], [k, Vh]
-        k = drafts.shape[0]
-        drafted = time.perf_counter()
-        logits, taps = target.forward(mx.concatenate([anchor[None].astype(drafts.dtype), drafts]))
+        mx.eval(drafts, draft_logits)  # [d], [d, Vh]
+        d = drafts.shape[0]
+        if d and lookup is not None:  # drafts that close a repeat: copy on after them
+            drafted = drafts.tolist()
+            more = lookup.copy_length(drafted)
+            more = policy.extension_length(context, d, more) if more else 0
+            copied = lookup.continuation(more, drafted) if more else []
+        tokens = mx.concatenate([drafts.astype(mx.int32), mx.array(copied, mx.int32)])  # [k]
+        k = tokens.shape[0]
+        drafted_at = time.perf_counter()
+        logits, taps = target.forward(mx.concatenate([anchor[None].astype(mx.int32), tokens]))
         if k == 0:  # logits [k+1, V]
             m, bonus = mx.array(0), sampling.sample(logits[0])
         elif sampling.greedy:
             choice = mx.argmax(logits, axis=-1)
-            m = mx.argmax(mx.concatenate([drafts != choice[:k], mx.array([True])]))
+            m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
             bonus = choice[m]
         else:
-            q = mx.zeros((k, logits.shape[-1]))
-            q[:, head_ids] = sampling.probabilities(draft_logits)
-            m, bonus = accept_drafts(drafts, q, sampling.probabilities(logits))
+            vocab = logits.shape[-1]
+            q = mx.zeros((d, vocab))  # [k, V]: the drafter's distributions, copies one-hot
+            if d:
+                q[:, drafter.head_target_ids] = sampling.probabilities(draft_logits)
+            copies = mx.arange(vocab)[None, :] == mx.array(copied, mx.int32)[:, None]
+            q = mx.concatenate([q, copies.astype(q.dtype)])
+            m, bonus = accept_drafts(tokens, q, sampling.probabilities(logits))
         mx.eval(m, bonus, taps)
         m = m.item()
         target.rollback(k - m)
-        accepted = mx.concatenate([drafts[:m], bonus[None].astype(drafts.dtype)])
+        accepted = mx.concatenate([tokens[:m], bonus[None].astype(mx.int32)])
         drafter.add_context(accepted, taps[: m + 1])
         if lookup is not None:
             lookup.add_context(accepted)
-        (policy.observe_copy if copy else policy.observe)(k, m)
+        if copy:
+            policy.observe_copy(k, m)
+        else:
+            policy.observe(d, min(m, d))
+            if copied and m >= d:  # the extension was tried
+                policy.observe_extension(len(copied), m - d)
         stats.drafted.append(k)
         stats.accepted.append(m)
         stats.copied.append(bool(copy))
-        stats.draft_seconds += drafted - start
-        stats.verify_seconds += time.perf_counter() - drafted
-        for token in drafts[:m].tolist():
+        stats.extended.append(0 if copy else len(copied))
+        stats.draft_seconds += drafted_at - start
+        stats.verify_seconds += time.perf_counter() - drafted_at
+        for token in tokens[:m].tolist():
             yield token, True
         anchor = bonus
         yield bonus.item(), False
