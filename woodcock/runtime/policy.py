@@ -137,12 +137,12 @@ class AcceptanceEstimate:
 
 @dataclass
 class AutoPolicy:
-    """Acceptance by position is an AcceptanceEstimate: for drafts with the drafter's recorded
-    hold-out agreement as the prior when it ships one (else 0.6); for copies one per proposed
-    copy length, since the lookup proposes longer copies after longer matches and those are
-    accepted far more often (on the default pair's 40 greedy benchmark answers: 0.52 of first
-    copied tokens after a two-token match, 0.96 after eight or more), with `copy_prior` (0.83
-    there over all matches, rounded down)."""
+    """Acceptance is an AcceptanceEstimate: for drafts by position, with the drafter's recorded
+    hold-out agreement as the prior when it ships one (else 0.6); for copies a tied one per
+    proposed copy length, since the lookup proposes longer copies after longer matches and those
+    are accepted far more often (on the default pair's 40 greedy benchmark answers: 0.52 of
+    first copied tokens after a two-token match, 0.96 after eight or more), with `copy_prior`
+    (0.83 there over all matches, rounded down)."""
 
     profile: LatencyProfile
     max_length: int = MAX_VERIFY - 1
@@ -190,13 +190,12 @@ class AutoPolicy:
         survive = np.cumprod(self.acceptance()[:drafted])
         expected = 1 + float(survive.sum())
         reach = float(survive[-1])
-        base = self.profile.round_cost(drafted, context, self.head)
-        best, best_rate = 0, expected / base
+        drafting = self.profile.draft_cost(drafted, self.head)
+        best, best_rate = 0, expected / self.profile.round_cost(drafted, context, self.head)
         for length, rate in enumerate(self._copies(proposed).rates()[:proposed], start=1):
             reach *= rate
             expected += reach
-            verify = self.profile.verify_cost(drafted + 1 + length, context)
-            cost = base - self.profile.verify_cost(drafted + 1, context) + verify
+            cost = drafting + self.profile.verify_cost(drafted + 1 + length, context)
             if expected / cost > best_rate:
                 best, best_rate = length, expected / cost
         return best
