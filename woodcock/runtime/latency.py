@@ -32,8 +32,9 @@ QUICK_CONTEXT = 256  # the profile `--policy auto` measures when given no file
 QUICK_VERIFY = MAX_VERIFY  # longer copies cost what `verify_cost` extrapolates
 QUICK_DRAFT = 7
 # how `cached_profile` measures, part of its cache key: 2 = interleaved sweeps made
-# non-decreasing, 3 = verifying up to 16 tokens instead of 8
-MEASURING = 3
+# non-decreasing, 3 = verifying up to 16 tokens instead of 8, 4 = verifying with
+# woodcock.runtime.cpu_kernels on the CPU
+MEASURING = 4
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Any mlx-lm model as a speculative-decoding target: one forward returns the logits and the
 tapped hidden states, on the model's own modules and KV cache; rejected tokens are rolled back
 with the cache API. mlx-lm is not modified: for the length of a forward the entries of the
-model's layer list are swapped for recorders that call the real layer."""
+model's layer list are swapped for recorders that call the real layer, and on the CPU a forward
+of several rows calls woodcock.runtime.cpu_kernels' attention and SwiGLU in place of mlx-lm's
+(the model modules' names for them are swapped while the graph is built)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DrafterSpec
+from woodcock.runtime.cpu_kernels import kernel_swaps, swapped_in
 
 
 class _Recorder:
@@ -53,6 +56,7 @@ class MlxTarget:
                 f" {self.num_layers}] (the target has {self.num_layers} layers)"
             )
         self.layer_ids = tuple(layer_ids)
+        self._kernel_swaps = kernel_swaps(model)
         self.cache = make_prompt_cache(model)
         if not can_trim_prompt_cache(self.cache):
             kinds = sorted({type(c).__name__ for c in self.cache})
@@ -86,7 +90,9 @@ class MlxTarget:
     def forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """tokens [T] after the cached ones -> (logits [T, V], taps [T, A*Ht], ascending ids).
         Lazy: nothing is evaluated here."""
-        with self._recording() as recorders:
+        several_on_cpu = tokens.shape[0] > 1 and mx.default_device().type == mx.cpu
+        swaps = self._kernel_swaps if several_on_cpu else []
+        with self._recording() as recorders, swapped_in(swaps):
             logits = self.model(tokens[None], cache=self.cache)
         states = [recorders[0].input if i == 0 else recorders[i - 1].output for i in self.layer_ids]
         if not states:  # a drafter that reads no hidden states (n-gram)

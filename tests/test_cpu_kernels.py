@@ -1,0 +1,132 @@
+"""woodcock.runtime.cpu_kernels against mlx-lm's own functions, and their use by MlxTarget."""
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import activations, base
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_targets import tiny_target
+
+from woodcock.runtime import cpu_kernels
+from woodcock.runtime.target import MlxTarget
+
+
+def test_exp_is_accurate_over_the_float32_range_and_zero_below_it():
+    x = np.linspace(-86.0, 86.0, 200_001, dtype=np.float32)
+    ours = np.array(cpu_kernels.exp(mx.array(x)), dtype=np.float64)
+    exact = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(ours / exact - 1)) < 1.5e-7
+    edges = np.array(cpu_kernels.exp(mx.array([-np.inf, -200.0, -87.8, 0.0, 100.0, np.inf])))
+    assert edges[:4].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert np.isfinite(edges[4:]).all() and (edges[4:] > 2e38).all()
+
+
+def test_swiglu_matches_mlx_lm():
+    mx.random.seed(1)
+    gate = mx.concatenate(
+        [
+            mx.random.normal((3, 5, 40)) * 6,
+            mx.array([-100.0, 100.0, 0.0])[None, None, :].astype(mx.float32) * mx.ones((3, 5, 3)),
+        ],
+        axis=-1,
+    )
+    x = mx.random.normal(gate.shape)
+    np.testing.assert_allclose(
+        np.array(cpu_kernels.swiglu(gate, x)),
+        np.array(activations.swiglu(gate, x)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 2)])
+@pytest.mark.parametrize("rows,length", [(1, 1), (1, 9), (2, 2), (3, 17), (5, 40)])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_attention_matches_mlx_lm(heads, kv_heads, rows, length, mask):
+    mx.random.seed(heads * 100 + rows * 10 + length)
+    queries = mx.random.normal((1, heads, rows, 16)) * 2
+    keys = mx.random.normal((1, kv_heads, length, 16)) * 2
+    values = mx.random.normal((1, kv_heads, length, 16))
+    args = dict(cache=None, scale=0.25, mask=mask)
+    np.testing.assert_allclose(
+        np.array(cpu_kernels.scaled_dot_product_attention(queries, keys, values, **args)),
+        np.array(base.scaled_dot_product_attention(queries, keys, values, **args)),
+        atol=2e-6,
+    )
+
+
+def test_inputs_it_does_not_cover_go_to_mlx_lm_unchanged():
+    mx.random.seed(0)
+    q, k, v = (
+        mx.random.normal((1, 4, 3, 8)),
+        mx.random.normal((1, 2, 6, 8)),
+        mx.random.normal((1, 2, 6, 8)),
+    )
+    band = mx.array(np.tril(np.ones((3, 6), bool), 3) & np.triu(np.ones((3, 6), bool), 1))
+    cases = [
+        (q, k, v, dict(mask=band)),
+        (q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), dict(mask="causal")),
+        (q, k, v, dict(mask="causal", sinks=mx.zeros((4,)))),
+    ]
+    for q_, k_, v_, extra in cases:
+        ours = cpu_kernels.scaled_dot_product_attention(q_, k_, v_, cache=None, scale=0.3, **extra)
+        stock = base.scaled_dot_product_attention(q_, k_, v_, cache=None, scale=0.3, **extra)
+        assert mx.array_equal(ours, stock).item()
+    gate = mx.random.normal((2, 8)).astype(mx.bfloat16)
+    assert mx.array_equal(cpu_kernels.swiglu(gate, gate), activations.swiglu(gate, gate)).item()
+
+
+class _Counting:
+    def __init__(self, function):
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.function(*args)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_multi_row_forward_runs_the_kernels_and_a_single_row_does_not(model_type, monkeypatch):
+    model = tiny_target(model_type, seed=3, scale=0.3)
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    target = MlxTarget(model, [1, 4])
+    assert sorted(name for _, name, _ in target._kernel_swaps) == [
+        "scaled_dot_product_attention",
+        "swiglu",
+    ]
+    attention = _Counting(cpu_kernels._scaled_exp_parts)
+    sigmoid = _Counting(cpu_kernels._negated_exp_parts)
+    monkeypatch.setattr(cpu_kernels, "_scaled_exp_parts", attention)
+    monkeypatch.setattr(cpu_kernels, "_negated_exp_parts", sigmoid)
+    tokens = mx.array([5, 9, 2, 7, 1, 30])
+
+    logits, _ = target.forward(tokens[:4])
+    assert (attention.calls, sigmoid.calls) == (4, 4)
+    logits_next, _ = target.forward(tokens[4:5])
+    assert (attention.calls, sigmoid.calls) == (4, 4)
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert module.swiglu is activations.swiglu
+
+    cache = make_prompt_cache(model)
+    stock = model(tokens[None, :4], cache=cache)[0]
+    stock_next = model(tokens[None, 4:5], cache=cache)[0]
+    np.testing.assert_allclose(np.array(logits), np.array(stock), atol=1e-4)
+    np.testing.assert_allclose(np.array(logits_next), np.array(stock_next), atol=1e-4)
+
+
+def test_the_swapped_functions_come_back_when_the_forward_fails():
+    model = tiny_target("llama", seed=1)
+    swaps = cpu_kernels.kernel_swaps(model)
+    module = importlib.import_module("mlx_lm.models.llama")
+    with pytest.raises(RuntimeError), cpu_kernels.swapped_in(swaps):
+        assert module.swiglu is cpu_kernels.swiglu
+        raise RuntimeError("failed forward")
+    assert module.swiglu is activations.swiglu
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_a_model_that_calls_none_of_them_has_nothing_swapped():
+    assert cpu_kernels.kernel_swaps(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == []
