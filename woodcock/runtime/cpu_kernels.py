@@ -80,8 +80,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def _causal_visibility(rows: int, length: int, groups: int) -> mx.array:
     """[groups * rows, length]: row g * rows + r (query r of the last `rows` positions) sees the
     keys at or before its own position."""
-    visible = mx.arange(length)[None, :] <= mx.arange(length - rows, length)[:, None]
-    return mx.tile(visible, (groups, 1))
+    return mx.tile(base.create_causal_mask(rows, offset=length - rows), (groups, 1))
 
 
 def scaled_dot_product_attention(
