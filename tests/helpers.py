@@ -42,3 +42,15 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
         code = e.code or 0
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def json_strings(record):
+    """Every string value in a JSON-like record, however deep."""
+    if isinstance(record, dict):
+        for value in record.values():
+            yield from json_strings(value)
+    elif isinstance(record, list):
+        for value in record:
+            yield from json_strings(value)
+    elif isinstance(record, str):
+        yield record

@@ -196,7 +196,7 @@ def test_every_pair(case, tmp_path, capsys, target_dir):
 
 
 def test_the_refusals_say_why(tmp_path, capsys):
-    """The three refusals the issue names, and what their one line says."""
+    """Three refusals users meet, and what their one line says."""
     cases = [
         (CASES["dspark-shared-head"][0], "safeailab", "SafeAILab holds EAGLE-3 drafters only"),
         (CASES["dspark-shared-head"][0], "specforge", "SpecForge EAGLE-3 holds EAGLE-3"),

@@ -1,6 +1,7 @@
 """Machine facts: the shape of the report, the BLAS it names checked against what this process
 actually maps, and the slow-path warnings."""
 
+import ctypes
 import json
 import os
 import platform
@@ -77,9 +78,11 @@ def test_blas_is_what_this_process_maps():
     preload = os.environ.get("LD_PRELOAD", "") + _ld_so_preload()
     libmlx = next(p for p in maps if os.path.basename(p).startswith("libmlx"))
     bundled = [p for p in maps if "mlx_cpu.libs" in p and os.path.basename(p).startswith("libblas")]
-    if "openblas" not in preload.lower():
-        # no preloaded BLAS: libmlx's import resolves to its own dependency, which for the
-        # mlx-cpu wheel is the bundled reference BLAS
+    global_scope = ctypes.CDLL(None)
+    if "openblas" not in preload.lower() and not hasattr(global_scope, "cblas_sgemm"):
+        # no BLAS in the global scope (preloaded, or opened by importing woodcock): libmlx's
+        # import resolves to its own dependency, which for the mlx-cpu wheel is the bundled
+        # reference BLAS
         if bundled:
             assert blas["library"] == "reference"
             assert blas["path"] == bundled[0]
@@ -117,6 +120,7 @@ def test_blas_in_a_fresh_process(preload):
     if preload and not openblas.exists():
         pytest.skip(f"{openblas} is not installed (apt-get install libopenblas0-pthread)")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env["WOODCOCK_OPENBLAS"] = "0"  # what the process maps, not what importing woodcock adds
     if preload:
         env["LD_PRELOAD"] = str(openblas)
     out = subprocess.run(
@@ -167,6 +171,39 @@ def test_the_command_puts_openblas_under_mlx(opt_out):
         assert report["threads"] == str(usable_cores())
     elif "openblas" not in _ld_so_preload():
         assert report["blas"]["library"] != "openblas" and report["threads"] is None
+
+
+IMPORT_PROBE = """
+import json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    for name in sys.argv[1:]:
+        __import__(name)
+from woodcock.runtime.machine import blas
+print(json.dumps({"blas": blas()["library"], "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="the global-scope rule is the Linux dynamic linker's")
+@pytest.mark.parametrize("order", [("woodcock", "mlx.core"), ("mlx.core", "woodcock")])
+def test_importing_woodcock_before_mlx_brings_openblas_and_after_it_warns(order):
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "WOODCOCK_OPENBLAS")}
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, *order],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    late = [w for w in report["warnings"] if "mlx was imported before woodcock" in w]
+    if not find_openblas().exists() or "openblas" in _ld_so_preload():
+        assert late == []
+    elif order[0] == "woodcock":
+        assert report["blas"] == "openblas" and late == []
+    else:
+        assert report["blas"] == "reference" and len(late) == 1
+        assert str(find_openblas()) in late[0]
 
 
 def test_classify_blas():

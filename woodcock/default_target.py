@@ -509,15 +509,3 @@ def _progress_bar(enabled: bool):
         console=_stderr_console(),
         transient=True,
     )
-
-
-DEFAULT_DRAFTER = "smollm2-135m-eagle3"
-
-
-def default_drafter_path() -> Path:
-    """The EAGLE-3 drafter trained for the default target, shipped in the repository's
-    drafters/ folder."""
-    path = Path(__file__).resolve().parents[1] / "drafters" / DEFAULT_DRAFTER
-    if not (path / "woodcock.json").is_file():
-        raise DrafterError(f"{path}: the default drafter is missing; pass --drafter")
-    return path

@@ -1,8 +1,7 @@
-"""The benchmark prompt sets that ship with the repository (benchmarks/prompts/*.jsonl).
+"""The benchmark prompt sets that ship with Woodcock (`woodcock.benchmark_prompts`, the
+repository's benchmarks/prompts/), and prompt files a user brings.
 
-They live in the source tree, not in the installed package: `load_prompts` finds them next to
-the `woodcock` folder of a checkout (or under `root`). Provenance, licences and the held-out
-rule (never train on them): benchmarks/prompts/README.md.
+Provenance, licences and the held-out rule (never train on them): benchmarks/prompts/README.md.
 """
 
 from __future__ import annotations
@@ -10,12 +9,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from woodcock.errors import DrafterError
 
 DOMAINS = ("chat", "code", "math", "multilingual")
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+PROMPTS_DIR = Path(str(files("woodcock.benchmark_prompts")))
 _FIELDS = ("id", "domain", "prompt", "source")
 
 
@@ -34,7 +34,7 @@ def load_prompts(
 ) -> list[Prompt]:
     """The prompts of `domains` (default: all, in DOMAINS order), each domain's in file order,
     at most `limit_per_domain` of each (None: all). root: the folder holding <domain>.jsonl
-    (default: the checkout's benchmarks/prompts)."""
+    (default: the shipped sets)."""
     if domains is None:
         domains = DOMAINS
     elif isinstance(domains, str):
@@ -79,10 +79,7 @@ def _read(path: Path, domain: str) -> list[Prompt]:
     try:
         lines = path.read_text(encoding="utf-8").split("\n")
     except FileNotFoundError:
-        raise DrafterError(
-            f"{path}: no prompt file for domain {domain!r} (the prompt sets ship in the"
-            " repository's benchmarks/prompts/, not in the installed package)"
-        ) from None
+        raise DrafterError(f"{path}: no prompt file for domain {domain!r}") from None
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

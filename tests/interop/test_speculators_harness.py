@@ -72,7 +72,8 @@ def _check_config(cfg, v, verifier_dir):
     assert cfg["architectures"] == [arch]
     assert cfg["speculators_model_type"] == v.algorithm
     assert cfg["speculators_version"] == "0.9.0"
-    assert cfg["auto_map"] == {"": f"config.{cfg_cls}SpeculatorConfig"}  # artefact, notes §1.1
+    # an artefact of the config class's `_auto_class = ""` (speculators==0.9.0:speculators/config.py)
+    assert cfg["auto_map"] == {"": f"config.{cfg_cls}SpeculatorConfig"}
     assert cfg["draft_vocab_size"] == (v.draft_vocab_size or V)
     assert cfg["tie_word_embeddings"] is False
     assert cfg["target_hidden_size"] is None
@@ -261,7 +262,7 @@ def test_variant_builds_reloads_and_runs(name, H, torch, built, inputs, verifier
                 sliding = v.layer_types is not None and v.layer_types[li] == "sliding_attention"
                 want = _expected_eagle3_mask(torch, SEQ, k, v.sliding_window if sliding else None)
                 assert torch.equal(out["masks"][k][li], want), (k, li)
-        # fused features at step 0 (raw features in, notes §2.4.1)
+        # fused features at step 0 (the raw tapped features go in)
         g = s["hidden_states"][0]
         if v.norm_before_fc:
             g = _rms(torch, g, tensors["input_norm.weight"])

@@ -3,7 +3,8 @@ DSpark blocks with Markov and confidence heads.
 
 It is the oracle other runtimes are checked against, so it is written for exactness and
 readability, not speed: one unbatched sequence, explicit boolean masks, one Markov slot at a
-time. Semantics: /work/shared/reference/speculators_formats.md §1.8, §2.4, §3.4, §4.3-4.5.
+time. Semantics: speculators 0.9.0's model classes (the PyPI release:
+speculators/models/eagle3/core.py, dflash/core.py, dspark/core.py and their model_definitions.py).
 """
 
 from __future__ import annotations

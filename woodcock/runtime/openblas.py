@@ -7,6 +7,8 @@ loaded therefore makes every MLX matmul on the CPU call OpenBLAS: 3-18x faster G
 verifying a few tokens costs little more than decoding one, which speculative decoding needs.
 
 This module imports nothing of MLX: `load_openblas` must run before `mlx.core` is imported.
+Importing `woodcock` calls it (and `warn_if_too_late`), so a script that imports woodcock before
+MLX gets the fast BLAS without doing anything.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ctypes
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 OPT_OUT = "WOODCOCK_OPENBLAS"  # "0": keep the BLAS MLX links against
@@ -64,3 +67,21 @@ def _global_symbol(name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def warn_if_too_late() -> None:
+    """One warning when MLX was imported before woodcock on a Linux machine that has OpenBLAS:
+    its CPU backend is then bound to the BLAS it bundles, 3-18x slower at fp32 matmuls."""
+    if platform.system() != "Linux" or os.environ.get(OPT_OUT) == "0":
+        return
+    if "mlx.core" not in sys.modules or _global_symbol("cblas_sgemm"):
+        return
+    if not find_openblas().exists():
+        return
+    warnings.warn(
+        "mlx was imported before woodcock, so MLX's CPU backend keeps the reference BLAS it"
+        " bundles (fp32 matmuls 3-18x slower); import woodcock first, or start Python with"
+        f" LD_PRELOAD={find_openblas()}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from woodcock.errors import DrafterError
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, resolve_target
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -23,15 +23,13 @@ def _warn_slow_paths() -> None:
 
 @app.command()
 def distill(
-    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
     prompts: Annotated[
         Path, typer.Option("--prompts", help='JSONL file, one {"id", "prompt"} per line.')
     ],
     out: Annotated[Path, typer.Option("--out", help="Output directory (answers.jsonl).")],
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", "-m", help="Longest answer, in tokens.")
-    ] = 256,
-    batch: Annotated[int, typer.Option("--batch", help="Answers decoded together.")] = 8,
+    target: DefaultableTarget = None,
+    max_tokens: MaxTokens = 256,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Answers decoded together.")] = 8,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the chat template.")] = True,
     system: Annotated[str | None, typer.Option("--system", help="System prompt (chat).")] = None,
 ) -> None:
@@ -50,7 +48,7 @@ def distill(
             bar.update(task, completed=done, total=total)
 
         report = run_distill(
-            target,
+            resolve_target(target),
             prompts,
             out,
             max_tokens=max_tokens,
@@ -64,15 +62,6 @@ def distill(
         f" {report.prompts} prompts; {report.answer_tokens} answer tokens in"
         f" {report.seconds:.1f} s ({report.tokens_per_second:.1f} tokens/s)"
     )
-
-
-def _parse_taps(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DrafterError(f"--taps {text!r}: expected comma-separated layer ids") from None
 
 
 def _typed_command(ctx: typer.Context) -> list[str]:
@@ -95,9 +84,9 @@ def _typed_command(ctx: typer.Context) -> list[str]:
 @app.command()
 def train(
     ctx: typer.Context,
-    target: Annotated[str, typer.Option("--target", help="mlx-lm model directory or id.")],
     data: Annotated[Path, typer.Option("--data", help="A `woodcock distill` output directory.")],
     out: Annotated[Path, typer.Option("--out", help="Drafter directory to write (woodcock).")],
+    target: DefaultableTarget = None,
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 300,
     ttt_steps: Annotated[
         int, typer.Option("--ttt-steps", help="Unrolled draft steps (training-time test).")
@@ -165,7 +154,7 @@ def train(
 
     _warn_slow_paths()
     options = TrainOptions(
-        target=target,
+        target=resolve_target(target),
         data=data,
         out=out,
         steps=steps,
@@ -179,7 +168,7 @@ def train(
         max_len=max_len,
         head_size=head_size,
         holdout=holdout,
-        taps=_parse_taps(taps),
+        taps=parse_taps(taps),
         init=init,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,

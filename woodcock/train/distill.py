@@ -26,6 +26,7 @@ from pathlib import Path
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
+from woodcock.provenance import identity, portable_path
 
 ANSWERS = "answers.jsonl"
 META = "distill.json"
@@ -152,9 +153,10 @@ def distill(
         raise DrafterError(f"--max-tokens {max_tokens}, --batch {batch}: expected at least 1")
     out = Path(out)
     prompts = read_prompts(prompts_file)
+    prompts_record = portable_path(prompts_file, out)
     meta = {
         "version": META_VERSION,
-        "target": str(target),
+        "target": identity(target),
         "max_tokens": max_tokens,
         "chat": chat,
         "system": system,
@@ -174,9 +176,11 @@ def distill(
                 f"{meta_path}: the answers there were made with {k} = {recorded.get(k)!r}, this"
                 f" run asks for {meta[k]!r}; use another --out directory"
             )
-        meta = {**recorded, "prompts_files": _add(recorded.get("prompts_files"), prompts_file)}
+        files = recorded.get("prompts_files")
+        files = list(files) if isinstance(files, list) else []
+        meta = {**recorded, "prompts_files": list(dict.fromkeys([*files, prompts_record]))}
     else:
-        meta["prompts_files"] = [str(prompts_file)]
+        meta["prompts_files"] = [prompts_record]
     done = {row["id"] for row in read_answers(out, repair=True)}
     pending = [(ident, text) for ident, text in prompts if ident not in done]
     report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
@@ -227,10 +231,3 @@ def distill(
         generator.close()
     report.seconds = time.perf_counter() - start
     return report
-
-
-def _add(files, path: Path) -> list[str]:
-    files = list(files) if isinstance(files, list) else []
-    if str(path) not in files:
-        files.append(str(path))
-    return files

