@@ -12,8 +12,6 @@ from woodcock.synthetic import random_drafter, tiny_spec
 WOODCOCK = Path(sys.executable).with_name("woodcock")
 
 
-
-
 @pytest.fixture
 def drafter_dir(tmp_path):
     spec = tiny_spec(
@@ -103,3 +101,65 @@ def test_help_and_version(capsys):
     assert code == 0 and out.startswith("woodcock ")
     code, _, err = run_cli(["inspect"], capsys)
     assert code == 2 and "Missing argument" in err
+
+
+OUT_OF_RANGE = [
+    (["generate", "--prompt", "x", "--max-tokens", "-3"], "'--max-tokens' / '-m'"),
+    (["generate", "--prompt", "x", "--max-tokens", "abc"], "'--max-tokens' / '-m'"),
+    (["generate", "--prompt", "x", "--temp", "-0.5"], "'--temp'"),
+    (["generate", "--prompt", "x", "--temp", "nan"], "'--temp'"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "'--top-p'"),
+    (["generate", "--prompt", "x", "--min-p", "-1"], "'--min-p'"),
+    (["generate", "--prompt", "x", "--top-k", "-1"], "'--top-k'"),
+    (["generate", "--prompt", "x", "--seed", "-1"], "'--seed'"),
+    (["bench", "--prompts", "0"], "'--prompts'"),
+    (["bench", "--max-tokens", "0"], "'--max-tokens' / '-m'"),
+    (["latency", "--drafter", "d", "--out", "OUT/latency.json", "--repeats", "0"], "'--repeats'"),
+    (
+        ["latency", "--drafter", "d", "--out", "OUT/latency.json", "--contexts", "64,-1"],
+        "--contexts",
+    ),
+    (["parity", "d", "--steps", "0"], "'--steps'"),
+    (["convert", "d", "OUT/x", "--to", "woodcock", "--truncate-vocab", "0"], "'--truncate-vocab'"),
+    (["distill", "--prompts", "p.jsonl", "--out", "OUT/d", "--batch", "0"], "'--batch'"),
+    (["distill", "--prompts", "p.jsonl", "--out", "OUT/d", "--max-tokens", "0"], "'--max-tokens'"),
+    (["train", "--data", "d", "--out", "OUT/t", "--lr", "nan"], "--lr nan"),
+    (["train", "--data", "d", "--out", "OUT/t", "--steps", "0"], "--steps 0"),
+    (["train", "--data", "d", "--out", "OUT/t", "--holdout", "1.0"], "--holdout 1.0"),
+    (["train", "--data", "d", "--out", "OUT/t", "--weight-decay", "-1"], "--weight-decay -1"),
+    (["train", "--data", "d", "--out", "OUT/t", "--warmup", "-2"], "--warmup -2"),
+    (["train", "--data", "d", "--out", "OUT/t", "--min-lr-ratio", "2"], "--min-lr-ratio 2"),
+    (
+        ["vocab", "count", "d", "--target", "t", "--out", "OUT/v", "--holdout", "1.5"],
+        "--holdout 1.5",
+    ),
+    (["generate", "--bogus"], "No such option: --bogus"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,names", OUT_OF_RANGE, ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
+def test_values_out_of_range_exit_2_with_one_line_and_write_nothing(argv, names, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    argv = [a.replace("OUT", str(out_dir)) for a in argv]
+    code, out, err = run_cli(argv, capsys)
+    lines = [line for line in err.splitlines() if not line.startswith("woodcock: warning:")]
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("woodcock: error: "), err
+    assert names in lines[0]
+    assert not out_dir.exists()
+
+
+def test_the_command_line_errors_of_the_installed_command_are_one_line(tmp_path):
+    result = subprocess.run(
+        [WOODCOCK, "generate", "--prompt", "x", "--max-tokens", "-3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "woodcock: error: Invalid value for '--max-tokens' / '-m': Input should be greater than"
+        " or equal to 1 (see woodcock generate --help)"
+    ]

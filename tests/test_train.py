@@ -302,9 +302,8 @@ def short_run(work, out, **changes) -> T.TrainOptions:
         checkpoint_every=4,
         max_len=64,
     )
-    return T.TrainOptions(
-        target=str(work / "target"), data=work / "data", out=out, **{**settings, **changes}
-    )
+    settings = {"target": str(work / "target"), **settings, **changes}
+    return T.TrainOptions(data=work / "data", out=out, **settings)
 
 
 def test_resume_continues_with_the_same_losses(work, tmp_path):
@@ -415,3 +414,20 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
         T.train(short_run(work, tmp_path / "x", init=str(trained), head_size=64))
     with pytest.raises(DrafterError, match=r"--init .*: taps = .*; this run trains"):
         T.train(short_run(work, tmp_path / "y", init=str(trained), taps=(1, 2, 3)))
+
+
+def test_distill_and_train_default_to_the_default_target(work, tmp_path, monkeypatch):
+    import woodcock.default_target
+
+    monkeypatch.setattr(woodcock.default_target, "default_target_path", lambda: work / "target")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    data = tmp_path / "data"
+    run_cli(
+        ["distill", "--prompts", str(prompts), "--out", str(data), "--max-tokens", "4", "--no-chat"]
+    )
+    meta = json.loads((data / "distill.json").read_text())
+    assert meta["target"] == f"target@sha256:{content_sha256(work / 'target')}"
+    report = T.train(short_run(work, tmp_path / "drafter", target=None, steps=1))
+    assert report.steps == 1
+    recipe = native.read_provenance(tmp_path / "drafter")["recipe"]
+    assert recipe["target"] == f"target@sha256:{content_sha256(work / 'target')}"

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from woodcock import __version__
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, resolve_target
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 from woodcock.errors import DrafterError
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
@@ -566,7 +566,7 @@ def demo(
 
 def _resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
     """The default target and, for it, the shipped drafter, where the user names neither."""
-    from woodcock.default_target import DEFAULT_TARGET
+    from woodcock.default_target import DEFAULT_TARGET, resolve_target
     from woodcock.drafters import shipped_drafter
 
     if drafter is None:

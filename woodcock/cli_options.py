@@ -21,15 +21,6 @@ MaxTokens = Annotated[
 ]
 
 
-def resolve_target(target: str | None) -> str:
-    """The target a command runs: the default one (converted on first use) unless named."""
-    from woodcock.default_target import DEFAULT_TARGET, default_target_path
-
-    if target is None or target == DEFAULT_TARGET:
-        return str(default_target_path())
-    return target
-
-
 def parse_taps(text: str | None) -> tuple[int, ...] | None:
     """`--taps 2,18,33`: canonical layer ids."""
     if text is None:

@@ -89,6 +89,13 @@ def default_target_path(*, progress: bool = True) -> Path:
     return dest
 
 
+def resolve_target(target: str | None) -> str:
+    """The target to run: the default one (converted on first use) unless another is named."""
+    if target is None or target == DEFAULT_TARGET:
+        return str(default_target_path())
+    return target
+
+
 def cache_dir() -> Path:
     """$XDG_CACHE_HOME/woodcock, or ~/.cache/woodcock (relative or empty values are ignored,
     as the XDG spec asks)."""

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, resolve_target
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -48,7 +48,7 @@ def distill(
             bar.update(task, completed=done, total=total)
 
         report = run_distill(
-            resolve_target(target),
+            target,
             prompts,
             out,
             max_tokens=max_tokens,
@@ -154,7 +154,7 @@ def train(
 
     _warn_slow_paths()
     options = TrainOptions(
-        target=resolve_target(target),
+        target=target,
         data=data,
         out=out,
         steps=steps,

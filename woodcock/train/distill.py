@@ -131,7 +131,7 @@ def _int_list(value) -> bool:
 
 
 def distill(
-    target: str,
+    target: str | None,
     prompts_file: Path,
     out: Path,
     *,
@@ -141,8 +141,8 @@ def distill(
     system: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> DistillReport:
-    """Answer every prompt of `prompts_file` not yet answered in `out`. progress(done, total)
-    is called as answers finish."""
+    """Answer every prompt of `prompts_file` not yet answered in `out` (target None: the default
+    target). progress(done, total) is called as answers finish."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
@@ -153,6 +153,10 @@ def distill(
         raise DrafterError(f"--max-tokens {max_tokens}, --batch {batch}: expected at least 1")
     out = Path(out)
     prompts = read_prompts(prompts_file)
+    if target is None:
+        from woodcock.default_target import resolve_target
+
+        target = resolve_target(None)
     prompts_record = portable_path(prompts_file, out)
     meta = {
         "version": META_VERSION,

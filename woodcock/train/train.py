@@ -46,6 +46,7 @@ The recipe ("seed recipe"):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -76,7 +77,7 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 @dataclass
 class TrainOptions:
-    target: str
+    target: str | None  # None: the default target
     data: Path
     out: Path
     steps: int = 300
@@ -667,8 +668,6 @@ def _load_init(opts: TrainOptions):
 def start_from(model, init, spec, source: str) -> None:
     """Load `init`'s weights into the freshly built `model`; `init` must have the spec this run
     builds (the number of TTT steps and the target's name aside)."""
-    import dataclasses
-
     import mlx.core as mx
 
     theirs = dataclasses.replace(
@@ -1186,6 +1185,10 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
         shutil.rmtree(ckpt)
     if opts.resume and not (ckpt / "latest.json").exists():
         raise DrafterError(f"{ckpt}: no checkpoint to resume from")
+    if opts.target is None:
+        from woodcock.default_target import resolve_target
+
+        opts = dataclasses.replace(opts, target=resolve_target(None))
 
     report = TrainReport()
     samples = load_samples(opts.data, opts.max_len)
