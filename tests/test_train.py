@@ -25,6 +25,9 @@ from woodcock.tensorfile import read_safetensors
 from woodcock.train import train as T
 from woodcock.train.cli import app
 from woodcock.train.distill import ANSWERS, distill, read_answers, read_prompts
+from woodcock.train.features import TargetRunner, from_fp16, to_fp16
+from woodcock.train.model import build_model, build_spec, trained_weights, ttt_logits
+from woodcock.train.options import TrainOptions
 
 MAX_TOKENS = 40
 STEPS = 60
@@ -171,9 +174,9 @@ def test_feature_cache_is_the_targets_taps_and_argmax(work, trained):
     width = len(spec.taps.layer_ids) * spec.target.hidden_size
     rows = sum(e["length"] for e in index)
     taps = np.fromfile(cache_dir / "taps.bin", np.float16).reshape(rows, width)
-    taps = T.from_fp16(taps, np.fromfile(cache_dir / "taps_exp.bin", np.int8).reshape(rows, -1))
+    taps = from_fp16(taps, np.fromfile(cache_dir / "taps_exp.bin", np.int8).reshape(rows, -1))
     final = np.fromfile(cache_dir / "final.bin", np.float16).reshape(rows, -1)
-    final = T.from_fp16(final, np.fromfile(cache_dir / "final_exp.bin", np.int8).reshape(rows, 1))
+    final = from_fp16(final, np.fromfile(cache_dir / "final_exp.bin", np.int8).reshape(rows, 1))
     argmax = np.fromfile(cache_dir / "argmax.bin", np.int32)
     model, _ = load(str(work / "target"))
     target = MlxTarget(model, spec.taps.layer_ids)
@@ -192,10 +195,10 @@ def test_feature_cache_is_the_targets_taps_and_argmax(work, trained):
 
 def test_fp16_storage_keeps_massive_activations():
     x = np.array([[3.0, -1e-3, 0.5, 2.0], [70000.0, -1.0, 1e5, 3e-3]], np.float32)
-    packed, exponent = T.to_fp16(mx.array(x), 2)
+    packed, exponent = to_fp16(mx.array(x), 2)
     assert np.array(exponent).tolist() == [[0, 0], [2, 2]]
     np.testing.assert_allclose(
-        T.from_fp16(np.array(packed), np.array(exponent)), x, rtol=1e-3, atol=1e-6
+        from_fp16(np.array(packed), np.array(exponent)), x, rtol=1e-3, atol=1e-6
     )
 
 
@@ -203,11 +206,11 @@ def test_ttt_forward_is_the_runtime_chain_with_teacher_forcing(work):
     """Training row P-1 at TTT step k gives the logits the runtime drafter gives at draft step
     k+1 after context x_1..x_P, when its drafts are forced to be x_{P+1}, x_{P+2}, ..."""
     model, _ = load(str(work / "target"))
-    runner = T.TargetRunner(str(work / "target"), (1, 2, 4))
+    runner = TargetRunner(str(work / "target"), (1, 2, 4))
     vocab = runner.vocab_size
-    spec = T.build_spec(runner, str(work / "target"), (1, 2, 4), vocab, 3)
-    train_model = T.build_model(spec, runner.embedding, runner.head, runner.final_norm_weight(), 3)
-    weights = T.trained_weights(train_model)
+    spec = build_spec(runner, str(work / "target"), (1, 2, 4), vocab, 3)
+    train_model = build_model(spec, runner.embedding, runner.head, runner.final_norm_weight(), 3)
+    weights = trained_weights(train_model)
     rng = np.random.default_rng(0)
     weights = {
         k: v + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in weights.items()
@@ -223,7 +226,7 @@ def test_ttt_forward_is_the_runtime_chain_with_teacher_forcing(work):
     _, taps = target.forward(mx.array(x))
     steps, length = 3, len(x)
     tokens = np.concatenate([x, np.zeros(steps, np.int32)])
-    logits = T.ttt_logits(
+    logits = ttt_logits(
         train_model, mx.array(tokens[None, 1 : length - 1 + steps]), taps[None, : length - 1], steps
     )
     for p in (2, 9, length - steps - 1):
@@ -289,7 +292,7 @@ def test_trained_drafter_loads_learns_and_decodes_exactly(work, trained):
     assert stats.tokens_per_round > 1.3  # the trained drafter's drafts are accepted
 
 
-def short_run(work, out, **changes) -> T.TrainOptions:
+def short_run(work, out, **changes) -> TrainOptions:
     """10 steps, a checkpoint every 4."""
     settings = dict(
         steps=10,
@@ -303,7 +306,7 @@ def short_run(work, out, **changes) -> T.TrainOptions:
         max_len=64,
     )
     settings = {"target": str(work / "target"), **settings, **changes}
-    return T.TrainOptions(data=work / "data", out=out, **settings)
+    return TrainOptions(data=work / "data", out=out, **settings)
 
 
 def test_resume_continues_with_the_same_losses(work, tmp_path):

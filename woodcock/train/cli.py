@@ -149,7 +149,7 @@ def train(
     woodcock format with the hold-out agreement by draft step in its provenance."""
     from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from woodcock.train.train import TrainOptions
+    from woodcock.train.options import TrainOptions
     from woodcock.train.train import train as run_train
 
     _warn_slow_paths()

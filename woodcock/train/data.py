@@ -1,0 +1,167 @@
+"""The training data: distilled samples, the hold-out split, the draft head's tokens, padded
+batches and their order (a function of the seed and the step, so a resumed run sees the same
+batches)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from woodcock.errors import DrafterError
+from woodcock.train.distill import META, read_answers
+from woodcock.train.features import from_fp16
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    tokens: np.ndarray  # int32 [L], prompt then answer, cut to max_len
+    prompt_length: int
+
+
+def load_samples(data: Path, max_len: int) -> list[Sample]:
+    data = Path(data)
+    if not (data / META).exists():
+        raise DrafterError(f"{data}: no {META}; make the data with `woodcock distill`")
+    samples = []
+    for row in read_answers(data):
+        prompt, answer = row["prompt_ids"], row["answer_ids"]
+        tokens = np.array((prompt + answer)[:max_len], dtype=np.int32)
+        if len(prompt) < 1 or len(tokens) < len(prompt) + 1:
+            continue  # nothing of the answer survives the cut
+        samples.append(Sample(row["id"], tokens, len(prompt)))
+    if len(samples) < 2:
+        raise DrafterError(
+            f"{data}: {len(samples)} usable answer(s); training needs at least 2 (one is held out)"
+        )
+    return samples
+
+
+def holdout_split(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
+    """(train, holdout): a sample is held out when sha256(id) lies in the lowest `share` of the
+    hash range, so the split does not depend on order or on which other samples exist. At least
+    one sample lands on each side."""
+    keyed = [(int(hashlib.sha256(s.id.encode()).hexdigest()[:12], 16) / 16**12, s) for s in samples]
+    holdout = [s for key, s in keyed if key < share]
+    if not holdout:
+        holdout = [min(keyed, key=lambda ks: ks[0])[1]]
+    if len(holdout) == len(samples):
+        holdout = holdout[:-1]
+    held = {s.id for s in holdout}
+    return [s for s in samples if s.id not in held], holdout
+
+
+def answer_tokens(samples: Sequence[Sample]) -> np.ndarray:
+    if not samples:
+        return np.zeros(0, np.int64)
+    return np.concatenate([s.tokens[s.prompt_length :] for s in samples]).astype(np.int64)
+
+
+def choose_head(counts: np.ndarray, head_size: int) -> np.ndarray | None:
+    """Target ids of the head rows, ascending: the `head_size` most frequent (ties: lower id);
+    None when that is the whole vocabulary."""
+    if head_size >= counts.shape[0]:
+        return None
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))
+    return np.sort(order[:head_size]).astype(np.int64)
+
+
+def coverage(counts: np.ndarray, tokens: np.ndarray, size: int) -> float:
+    head = choose_head(counts, size)
+    if tokens.size == 0:
+        return 0.0
+    if head is None:
+        return 1.0
+    return float(np.isin(tokens, head).mean())
+
+
+@dataclass
+class Batch:
+    """One padded batch; per-position arrays are [B, Lp] with Lp = R + K + 1 (R rows)."""
+
+    tokens: np.ndarray  # x_j
+    final: np.ndarray  # target final hidden at j, float32
+    argmax: np.ndarray  # target argmax at j
+    taps: np.ndarray  # g_i for rows i < R, float32 [B, R, A*Ht]
+    lengths: np.ndarray  # [B]
+    prompt_lengths: np.ndarray  # [B]
+
+    @property
+    def rows(self) -> int:
+        return self.taps.shape[1]
+
+    @property
+    def tokens_in(self) -> int:
+        return int(self.lengths.sum())
+
+
+def make_batch(arrays: dict[str, np.ndarray], entries: Sequence[dict], steps: int) -> Batch:
+    longest = max(e["length"] for e in entries)
+    rows = longest - 1
+    width = rows + steps + 1
+    b = len(entries)
+    hidden = arrays["final"].shape[1]
+    tokens = np.zeros((b, width), np.int32)
+    argmax = np.full((b, width), -1, np.int32)
+    final = np.zeros((b, width, hidden), np.float32)
+    taps = np.zeros((b, rows, arrays["taps"].shape[1]), np.float32)
+    for j, e in enumerate(entries):
+        s, n = e["start"], e["length"]
+        tokens[j, :n] = arrays["tokens"][s : s + n]
+        argmax[j, :n] = arrays["argmax"][s : s + n]
+        final[j, :n] = from_fp16(arrays["final"][s : s + n], arrays["final_exp"][s : s + n])
+        taps[j, : n - 1] = from_fp16(
+            arrays["taps"][s : s + n - 1], arrays["taps_exp"][s : s + n - 1]
+        )
+    lengths = np.array([e["length"] for e in entries], np.int64)
+    prompts = np.array([e["prompt_length"] for e in entries], np.int64)
+    return Batch(tokens, final, argmax, taps, lengths, prompts)
+
+
+def epoch_batches(entries: Sequence[dict], batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Indices into `entries` per batch for one epoch: shuffled, then sorted by length within
+    windows of 16 batches (less padding), batch order shuffled again. A function of
+    (seed, epoch) only, so a resumed run sees the same batches."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(entries))
+    window = batch * 16
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lambda i: entries[i]["length"])
+        batches.extend(chunk[j : j + batch] for j in range(0, len(chunk), batch))
+    perm = rng.permutation(len(batches))
+    return [[int(i) for i in batches[p]] for p in perm]
+
+
+class BatchPlan:
+    def __init__(self, entries: Sequence[dict], batch: int, seed: int):
+        self.entries, self.batch, self.seed = list(entries), batch, seed
+        self.per_epoch = len(epoch_batches(self.entries, batch, seed, 0))
+        self._cache: dict[int, list[list[int]]] = {}
+
+    def at(self, step: int) -> list[dict]:
+        """The batch of 1-based training step `step`."""
+        epoch, index = divmod(step - 1, self.per_epoch)
+        if epoch not in self._cache:
+            self._cache = {epoch: epoch_batches(self.entries, self.batch, self.seed, epoch)}
+        return [self.entries[i] for i in self._cache[epoch][index]]
+
+
+def eval_batches(
+    arrays, entries: Sequence[dict], steps: int, tokens: int = 4096
+) -> Iterator[Batch]:
+    """The hold-out samples in batches of about `tokens` padded tokens, shortest first; made
+    as they are consumed."""
+    ordered = sorted(entries, key=lambda e: e["length"])
+    group: list[dict] = []
+    for e in ordered:
+        if group and (len(group) + 1) * e["length"] > tokens:
+            yield make_batch(arrays, group, steps)
+            group = []
+        group.append(e)
+    if group:
+        yield make_batch(arrays, group, steps)
