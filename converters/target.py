@@ -45,3 +45,10 @@ def fill_shared(drafter: Drafter, target_tensors: Mapping[str, np.ndarray]) -> D
         weights[name] = np.asarray(rows).astype(dtype)
     new_spec = dataclasses.replace(spec, head=Head(lm_head="own", embedding="own"))
     return Drafter(new_spec, drafter.vocab, weights)
+
+
+def rename_target(drafter: Drafter, name_or_path: str) -> Drafter:
+    """The same drafter, recording another name or path for its target."""
+    spec = drafter.spec
+    target = dataclasses.replace(spec.target, name_or_path=name_or_path)
+    return Drafter(dataclasses.replace(spec, target=target), drafter.vocab, drafter.weights)

@@ -13,14 +13,9 @@ from mlx_lm.models import llama
 from tokenizers import pre_tokenizers
 
 from woodcock import default_target
-from woodcock.default_target import (
-    DEFAULT_TARGET,
-    PACKAGE,
-    convert_gguf,
-    default_target_path,
-    unpermute_qk,
-)
+from woodcock.default_target import DEFAULT_TARGET, PACKAGE, default_target_path
 from woodcock.errors import DrafterError
+from woodcock.gguf import convert_gguf, unpermute_qk
 
 # --- a tiny llama GGUF in llama.cpp's layout -------------------------------------------------
 
@@ -326,7 +321,7 @@ def test_tiny_check_catches_a_wrong_qk_order(tiny, tmp_path, monkeypatch):
     original, _ = tiny
     gguf = tmp_path / "tiny.gguf"
     _write_tiny_gguf(gguf, original)
-    monkeypatch.setattr(default_target, "unpermute_qk", lambda weight, heads: weight)
+    monkeypatch.setattr("woodcock.gguf.unpermute_qk", lambda weight, heads: weight)
     model, _ = mlx_lm.load(str(convert_gguf(gguf, tmp_path / "out")))
     ids = mx.array([[5, 40, 77, 3, 200, 9, 150, 33]])
     assert not mx.allclose(original(ids), model(ids), atol=1e-3).item()

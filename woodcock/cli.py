@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from woodcock import __version__
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, warn_slow_paths
 from woodcock.errors import DrafterError
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
@@ -138,53 +138,24 @@ def convert(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Convert a drafter between formats, losslessly or with an error saying why not."""
-    from woodcock.converters.dtype import cast
-    from woodcock.converters.target import attach_target, fill_shared
-    from woodcock.converters.vocab import apply_options
-    from woodcock.formats.detect import format_named
-    from woodcock.loading import load_drafter_with_format
-    from woodcock.staging import checks_in_background
-    from woodcock.target_files import load_target_tensors, target_from_config
+    from woodcock.conversion import convert as run_convert
 
-    writer = format_named(to)
-    # the source's sha256s are checked while the output is written; it is renamed into place
-    # only once they pass
-    with checks_in_background():
-        drafter, reader = load_drafter_with_format(source, source_format, taps=parse_taps(taps))
-        original = drafter
-        if target is not None:
-            drafter = attach_target(drafter, target_from_config(target))
-            if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's
-                drafter = fill_shared(drafter, load_target_tensors(target))
-        drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
-        if dtype is not None:
-            drafter = cast(drafter, dtype)
-        if dry_run:
-            from woodcock.convert_plan import plan
-
-            lines = plan(source, original, reader, drafter, writer, dest)
-        else:
-            if target_name is not None:
-                drafter = _retarget(drafter, target_name)
-            if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
-                from woodcock.loading import resolve_source
-
-                provenance = reader.read_provenance(resolve_source(source))
-                writer.write(drafter, Path(dest), force=force, provenance=provenance)
-            else:
-                writer.write(drafter, Path(dest), force=force)
-    if dry_run:
-        typer.echo("\n".join(lines))
-        if vocab_line:
-            typer.echo(vocab_line)
-        return
-    spec = drafter.spec
-    typer.echo(
-        f"{source} ({reader.NAME}) -> {dest} ({writer.NAME}): {spec.algorithm.name},"
-        f" {len(drafter.weights)} tensors, {drafter.parameter_counts()['own']:,} parameters"
+    conversion = run_convert(
+        source,
+        dest,
+        to=to,
+        source_format=source_format,
+        target=target,
+        dtype=dtype,
+        taps=parse_taps(taps),
+        truncate_vocab=truncate_vocab,
+        counts=counts,
+        expand_vocab=expand_vocab,
+        target_name=target_name,
+        dry_run=dry_run,
+        force=force,
     )
-    if vocab_line:
-        typer.echo(vocab_line)
+    typer.echo(conversion.summary())
 
 
 @app.command()
@@ -290,7 +261,7 @@ def generate(
 
     from woodcock.runtime.generate import encode_prompt
     from woodcock.runtime.generate import generate as run_generate
-    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.sampling import Sampling
     from woodcock.runtime.session import open_session
@@ -310,8 +281,7 @@ def generate(
     pair = _resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype, lookup=lookup)
     # before any token, so that a user watching a slow stream knows why at once
-    for warning in slow_path_warnings(machine_facts(session.dtype_name)):
-        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    warn_slow_paths(machine_facts(session.dtype_name))
     policy = _with_latency_file(policy, session, *pair)
     chosen_policy = parse_policy(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
@@ -403,7 +373,7 @@ def latency(
         measure,
         write_profile,
     )
-    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.session import open_session
 
     if out.exists() and not force:
@@ -438,8 +408,7 @@ def latency(
         out,
         {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile},
     )
-    for warning in slow_path_warnings(facts):
-        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    warn_slow_paths(facts)
     verify = profile["verify_seconds"][str(lengths[0])]
     typer.echo(
         f"wrote {out}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens {verify[-1] * 1e3:.1f} ms"
@@ -481,7 +450,7 @@ def bench(
 
     from woodcock.bench import render_table, run_bench, summary_rows, write_chart
     from woodcock.prompts import load_prompts
-    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.session import open_session
 
@@ -532,8 +501,7 @@ def bench(
             f" {max_tokens} new tokens, greedy, batch 1; {backend} backend,"
             f" BLAS {blas}" + (f" on {threads} threads" if threads else "")
         )
-    for warning in slow_path_warnings(facts):
-        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    warn_slow_paths(facts)
     if rows[-1]["identical"] != rows[-1]["prompts"]:
         raise typer.Exit(1)
 
@@ -545,6 +513,7 @@ def demo(
 ) -> None:
     """Build a tiny offline target (an mlx-lm model with a tokenizer) and a hand-written EAGLE-3
     drafter that mostly agrees with it, to try `woodcock generate` without any download."""
+    from woodcock.converters.target import rename_target
     from woodcock.demo import bigram_drafter, write_tiny_target
     from woodcock.formats import woodcock as native
     from woodcock.staging import staged_directory
@@ -553,7 +522,7 @@ def demo(
         write_tiny_target(out / "target")
         drafter = bigram_drafter(out / "target")
         # the drafter records where its target lives once the directory has its final name
-        drafter = _retarget(drafter, str(Path(dest).resolve() / "target"))
+        drafter = rename_target(drafter, str(Path(dest).resolve() / "target"))
         native.write(drafter, out / "drafter")
     # a fixed draft length: on a pair this small drafting costs about what verifying does, so
     # `auto` may well decode plainly, which would hide what the demo is for
@@ -595,18 +564,6 @@ def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
     return f"{policy}:{path}"
-
-
-def _retarget(drafter, name_or_path: str):
-    import dataclasses
-
-    from woodcock.ir import Drafter
-
-    spec = drafter.spec
-    spec = dataclasses.replace(
-        spec, target=dataclasses.replace(spec.target, name_or_path=name_or_path)
-    )
-    return Drafter(spec, drafter.vocab, drafter.weights)
 
 
 def main(argv: list[str] | None = None) -> None:

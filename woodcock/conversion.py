@@ -1,0 +1,88 @@
+"""`woodcock convert` as a library function: read a drafter in any format, apply the converters
+the options ask for (the target's facts and shared tensors, the vocabulary, the dtype, the
+target's recorded name), then write it in another format, or say what would be written."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from woodcock.ir import Drafter
+
+
+@dataclass(frozen=True)
+class Conversion:
+    source: str
+    dest: str
+    reader: str  # format names
+    writer: str
+    drafter: Drafter  # as written (or as it would be)
+    vocab_line: str | None  # what --truncate-vocab / --expand-vocab / --counts did
+    plan: list[str] | None  # dry run: the lines of the plan; nothing was written
+
+    def summary(self) -> str:
+        if self.plan is not None:
+            lines = list(self.plan)
+        else:
+            spec = self.drafter.spec
+            lines = [
+                f"{self.source} ({self.reader}) -> {self.dest} ({self.writer}):"
+                f" {spec.algorithm.name}, {len(self.drafter.weights)} tensors,"
+                f" {self.drafter.parameter_counts()['own']:,} parameters"
+            ]
+        return "\n".join(lines + ([self.vocab_line] if self.vocab_line else []))
+
+
+def convert(
+    source: str,
+    dest: str | Path,
+    *,
+    to: str,
+    source_format: str | None = None,
+    target: str | None = None,
+    dtype: str | None = None,
+    taps: Sequence[int] | None = None,
+    truncate_vocab: int | None = None,
+    counts: str | None = None,
+    expand_vocab: bool = False,
+    target_name: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+) -> Conversion:
+    """Tensors are copied bit for bit where no option changes them; a format that cannot hold
+    the drafter raises a DrafterError saying why. A native source's sha256s are checked while
+    the output is written, and the output is renamed into place only once they pass."""
+    from woodcock.converters.dtype import cast
+    from woodcock.converters.target import attach_target, fill_shared, rename_target
+    from woodcock.converters.vocab import apply_options
+    from woodcock.formats.detect import format_named
+    from woodcock.loading import load_drafter_with_format, resolve_source
+    from woodcock.staging import checks_in_background
+    from woodcock.target_files import load_target_tensors, target_from_config
+
+    writer = format_named(to)
+    with checks_in_background():
+        drafter, reader = load_drafter_with_format(source, source_format, taps=taps)
+        original = drafter
+        if target is not None:
+            drafter = attach_target(drafter, target_from_config(target))
+            if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's
+                drafter = fill_shared(drafter, load_target_tensors(target))
+        drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
+        if dtype is not None:
+            drafter = cast(drafter, dtype)
+        plan = None
+        if dry_run:
+            from woodcock.convert_plan import plan as dry_run_plan
+
+            plan = dry_run_plan(source, original, reader, drafter, writer, dest)
+        else:
+            if target_name is not None:
+                drafter = rename_target(drafter, target_name)
+            if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
+                provenance = reader.read_provenance(resolve_source(source))
+                writer.write(drafter, Path(dest), force=force, provenance=provenance)
+            else:
+                writer.write(drafter, Path(dest), force=force)
+    return Conversion(str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan)
