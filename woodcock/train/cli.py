@@ -3,22 +3,20 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, warn_slow_paths
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _warn_slow_paths() -> None:
-    from woodcock.runtime.machine import machine_facts, slow_path_warnings
+    from woodcock.runtime.machine import machine_facts
 
-    for warning in slow_path_warnings(machine_facts("float32")):
-        print(f"woodcock: warning: {warning}", file=sys.stderr)
+    warn_slow_paths(machine_facts("float32"))
 
 
 @app.command()
