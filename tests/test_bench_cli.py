@@ -152,3 +152,37 @@ def test_timed_sweeps_interleave_the_runs():
     ticks = []
     medians = timed_sweeps(runs, warmup=1, repeats=2, advance=lambda: ticks.append(1))
     assert order == [0, 1, 2, 0, 1, 2, 0, 1, 2] and len(ticks) == 6 and len(medians) == 3
+
+
+def test_bench_runs_a_prompt_file_a_user_brings(demo, capsys, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    rows = [{"domain": "poems", "prompt": "The quick brown"}, {"domain": "facts", "prompt": "fox jumps", "note": "ignored"}]
+    rows += [{"domain": "poems", "prompt": "over the lazy"}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
+    args = ["bench", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt-file", str(prompts), "--max-tokens", "8", "--no-chat", "--policy", "fixed:2", "--json"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert [(row["domain"], row["prompts"]) for row in report["rows"]] == [("poems", 2), ("facts", 1), ("all", 3)]
+    code, out, err = run_cli(args + ["--domains", "facts"], capsys)
+    assert [(row["domain"], row["prompts"]) for row in json.loads(out)["rows"]] == [("facts", 1), ("all", 1)]
+    code, out, err = run_cli(args + ["--prompts", "1"], capsys)
+    assert [(row["domain"], row["prompts"]) for row in json.loads(out)["rows"]] == [("poems", 1), ("facts", 1), ("all", 2)]
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("not json\n", "mine.jsonl:1: not JSON"),
+        ('{"domain": "x"}\n', "mine.jsonl:1: 'prompt' must be a non-empty string"),
+        ('["a"]\n', "mine.jsonl:1: expected an object"),
+        ("\n\n", "mine.jsonl: no prompts"),
+    ],
+)
+def test_a_broken_prompt_file_is_refused_with_one_line(demo, capsys, tmp_path, text, message):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(text)
+    args = ["bench", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--prompt-file", str(prompts), "--no-chat"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -434,8 +434,21 @@ def bench(
     target: DefaultableTarget = None,
     policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "auto",
     domains: Annotated[
-        str, typer.Option("--domains", help="Comma-separated prompt domains.")
-    ] = "chat,code,math,multilingual",
+        str | None,
+        typer.Option(
+            "--domains",
+            help="Comma-separated prompt domains (default: the shipped sets' chat, code, math and"
+            " multilingual, or every domain of --prompt-file).",
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-file",
+            help='Your own prompts instead of the shipped sets: JSONL, one {"domain": ...,'
+            ' "prompt": ...} a line.',
+        ),
+    ] = None,
     prompts: Annotated[int, typer.Option("--prompts", min=1, help="Prompts per domain.")] = 10,
     max_tokens: MaxTokens = 256,
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
@@ -449,12 +462,16 @@ def bench(
     from rich.progress import Progress
 
     from woodcock.bench import render_table, run_bench, summary_rows, write_chart
-    from woodcock.prompts import load_prompts
+    from woodcock.prompts import load_prompt_file, load_prompts
     from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.session import open_session
 
-    selected = load_prompts(domains.split(","), limit_per_domain=prompts)
+    chosen = domains.split(",") if domains is not None else None
+    if prompt_file is not None:
+        selected = load_prompt_file(prompt_file, chosen, limit_per_domain=prompts)
+    else:
+        selected = load_prompts(chosen, limit_per_domain=prompts)
     pair = _resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype, lookup=lookup)
     policy = _with_latency_file(policy, session, *pair)

@@ -65,6 +65,49 @@ def load_prompts(
     return prompts
 
 
+def load_prompt_file(
+    path: str | Path,
+    domains: Sequence[str] | None = None,
+    limit_per_domain: int | None = None,
+) -> list[Prompt]:
+    """A prompt set a user brings: JSONL, one `{"domain": ..., "prompt": ...}` a line (other keys
+    are ignored), in file order; `domains` keeps only those, `limit_per_domain` the first N of
+    each. Ids are `FILE:LINE`."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except OSError as e:
+        raise DrafterError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise DrafterError(f"{path}: not UTF-8 text") from None
+    prompts: list[Prompt] = []
+    taken: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DrafterError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise DrafterError(f"{path}:{number}: expected an object with domain and prompt")
+        for key in ("domain", "prompt"):
+            if not isinstance(record.get(key), str) or not record[key]:
+                raise DrafterError(f"{path}:{number}: {key!r} must be a non-empty string")
+        domain = record["domain"]
+        if domains is not None and domain not in domains:
+            continue
+        if limit_per_domain is not None and taken.get(domain, 0) >= limit_per_domain:
+            continue
+        taken[domain] = taken.get(domain, 0) + 1
+        prompts.append(Prompt(f"{path.name}:{number}", domain, record["prompt"], path.name))
+    if not prompts:
+        raise DrafterError(
+            f"{path}: no prompts" + (f" in domains {list(domains)}" if domains else "")
+        )
+    return prompts
+
+
 def heldout_sharegpt_ids(root: str | Path | None = None) -> set[str]:
     """The ShareGPT conversation ids the prompt sets use: a training set built from ShareGPT
     must leave out these conversations (and their other splits, same id before the last `_`)."""
