@@ -164,7 +164,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
     config = read_json_object(config_path)
     with error_prefix(f"{config_path}: "):
         algorithm_name = config.get("speculators_model_type")
-        if algorithm_name not in ALGORITHM_KEYS:
+        if not isinstance(algorithm_name, str) or algorithm_name not in ALGORITHM_KEYS:
             raise DrafterError(
                 f"speculators_model_type = {algorithm_name!r}: expected one of"
                 f" {', '.join(ALGORITHM_KEYS)}"

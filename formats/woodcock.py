@@ -236,6 +236,8 @@ def _check_tensor_table(path: Path, table: list) -> None:
     try:
         listed = {row["name"]: (row["shape"], row["dtype"]) for row in table}
     except (TypeError, KeyError):
+        listed = None
+    if listed is None or not all(isinstance(name, str) for name in listed):
         raise DrafterError(f"{path / MANIFEST}: tensors rows need name, shape and dtype") from None
     if listed != stored:
         differing = sorted(n for n in set(listed) | set(stored) if listed.get(n) != stored.get(n))

@@ -155,3 +155,68 @@ def speculators_representable(spec: DrafterSpec) -> DrafterSpec:
     if spec.draft_vocab_size < spec.target.vocab_size:
         head = dataclasses.replace(head, lm_head="own")
     return dataclasses.replace(spec, layers=layers, fusion=fusion, head=head)
+
+
+def _paths(node, prefix=()):
+    """Every (path, value) of a JSON tree, the root included."""
+    yield prefix, node
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _paths(value, (*prefix, i))
+
+
+# values of every JSON type, including ones no reader should take for a count or a size
+OTHER_VALUES = [None, True, False, 0, -1, 1.5, 10**30, "", "x", [], {}, [1], {"a": 1}]
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    return type(value).__name__
+
+
+@st.composite
+def json_mutations(draw, text: str):
+    """(damaged text, the key deleted or None): a JSON document cut short, made invalid, or
+    with one value replaced by one of another type or one key deleted."""
+    import copy
+    import json
+
+    kind = draw(st.sampled_from(["truncate", "garbage", "replace", "replace", "delete"]))
+    if kind == "truncate":
+        return text[: draw(st.integers(0, max(0, len(text) - 1)))], None
+    if kind == "garbage":
+        at = draw(st.integers(0, len(text)))
+        junk = draw(st.sampled_from(["{", "]", ",", '"', "\x00", "NaN", "\ufffd"]))
+        return text[:at] + junk + text[at:], None
+    document = json.loads(text)
+    paths = [path for path, _ in _paths(document)]
+    if kind == "delete":
+        paths = [p for p in paths if p and isinstance(p[-1], str)]
+        if not paths:
+            return text[:-1], None
+    path = draw(st.sampled_from(paths))
+    mutated = copy.deepcopy(document)
+    if not path:
+        return json.dumps(draw(st.sampled_from(OTHER_VALUES))), None
+    parent = mutated
+    for key in path[:-1]:
+        parent = parent[key]
+    if kind == "delete":
+        del parent[path[-1]]
+        return json.dumps(mutated, indent=2), path[-1]
+    else:
+        # another kind of value (a valid value of the same kind may just be another setting)
+        kind_of_old = _json_kind(parent[path[-1]])
+        choices = [v for v in OTHER_VALUES if _json_kind(v) != kind_of_old]
+        if kind_of_old == "number":
+            choices.append(float("nan"))
+        parent[path[-1]] = draw(st.sampled_from(choices))
+    return json.dumps(mutated, indent=2), None

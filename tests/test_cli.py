@@ -163,3 +163,13 @@ def test_the_command_line_errors_of_the_installed_command_are_one_line(tmp_path)
         "woodcock: error: Invalid value for '--max-tokens' / '-m': Input should be greater than"
         " or equal to 1 (see woodcock generate --help)"
     ]
+
+
+def test_a_target_directory_without_a_config_is_refused_with_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    drafter = tmp_path / "drafter"
+    save_drafter(random_drafter(tiny_spec("eagle3"), "BF16"), drafter)
+    code, out, err = run_cli(["generate", "--target", str(empty), "--drafter", str(drafter), "--prompt", "x"], capsys)
+    assert code == 2
+    assert err.strip() == f"woodcock: error: {empty / 'config.json'}: missing; expected an mlx-lm model directory"

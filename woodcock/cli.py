@@ -190,6 +190,40 @@ def parity(
         raise typer.Exit(1)
 
 
+@app.command()
+def doctor(
+    drafter: Annotated[
+        str, typer.Option("--drafter", help="Drafter directory or Hugging Face id.")
+    ],
+    target: DefaultableTarget = None,
+    taps: Annotated[
+        str | None,
+        typer.Option(
+            "--taps",
+            help="Canonical tap ids to use instead of the drafter's own (tests a suspected"
+            " off-by-one before re-converting).",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """Check a drafter against its target without a benchmark: shapes, taps, the embedding and
+    head it copies, its vocabulary map, RoPE and norms, and teacher-forced agreement by draft
+    step on a few built-in prompts, with the likely causes when it looks mis-converted. Exit
+    code 1 when anything is found."""
+    from rich.console import Console
+
+    from woodcock.doctor import diagnose, render_text
+
+    target, drafter = _resolve_pair(target, drafter)
+    with Console(stderr=True).status("doctor") as status:
+        report = diagnose(
+            target, drafter, taps=parse_taps(taps), progress=lambda step: status.update(step)
+        )
+    typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
+    if report["exit_code"]:
+        raise typer.Exit(report["exit_code"])
+
+
 LookupOption = Annotated[
     bool,
     typer.Option(

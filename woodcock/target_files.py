@@ -99,3 +99,17 @@ def _take_rows(array, rows: np.ndarray):
     import mlx.core as mx
 
     return array[mx.array(rows)]
+
+
+def load_mlx_target(source: str | Path):
+    """(model, tokenizer) of an mlx-lm target by directory or Hugging Face id. The id is
+    resolved here first, so that one that cannot be fetched is a one-line DrafterError naming
+    it, not whatever mlx-lm's own download raises."""
+    from mlx_lm import load
+
+    path = resolve_source(source)
+    if not path.is_dir():
+        raise DrafterError(f"{source}: no such target directory (expected an mlx-lm model)")
+    if not (path / "config.json").is_file():
+        raise DrafterError(f"{path / 'config.json'}: missing; expected an mlx-lm model directory")
+    return load(str(path))

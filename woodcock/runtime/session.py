@@ -13,6 +13,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec
 from woodcock.loading import load_drafter_with_format, resolve_source
 from woodcock.runtime.target import MlxTarget
+from woodcock.target_files import load_mlx_target
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -139,12 +140,10 @@ def open_session(
     """many_heads: the caller measures several head sizes (`drafter_with_head`); otherwise at
     most one size may be given and the session's drafter uses it. lookup: rounds whose recent
     tokens repeat copy from the context instead of asking the model drafter (PromptLookup)."""
-    from mlx_lm import load
-
     choice = DrafterChoice.parse(drafter_text)
     if len(choice.head_sizes) > 1 and not many_heads:
         raise DrafterError(f"--drafter {drafter_text!r}: give one head size here")
-    model, tokenizer = load(target_source)
+    model, tokenizer = load_mlx_target(target_source)
     compute_dtype = default_dtype(dtype)
     if compute_dtype is not None:
         model.set_dtype(compute_dtype)

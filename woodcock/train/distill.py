@@ -27,6 +27,7 @@ from pathlib import Path
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.provenance import identity, portable_path
+from woodcock.target_files import load_mlx_target
 
 ANSWERS = "answers.jsonl"
 META = "distill.json"
@@ -144,7 +145,6 @@ def distill(
     """Answer every prompt of `prompts_file` not yet answered in `out` (target None: the default
     target). progress(done, total) is called as answers finish."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
     from woodcock.runtime.generate import encode_prompt
@@ -188,7 +188,7 @@ def distill(
     done = {row["id"] for row in read_answers(out, repair=True)}
     pending = [(ident, text) for ident, text in prompts if ident not in done]
     report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
-    model, tokenizer = load(str(target))
+    model, tokenizer = load_mlx_target(target)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls have no BLAS path on CPU
     meta["eos_ids"] = sorted(int(t) for t in tokenizer.eos_token_ids)
