@@ -36,6 +36,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, VocabCounts, VocabMap, error_prefix
 from woodcock.jsonfile import read_json_object
 
+# the file names `woodcock vocab count` writes and the native format keeps beside a drafter
 COUNTS_FILE = "vocab_counts.npz"
 COUNTS_INFO = "vocab_counts.json"
 HEAD_ROWS = ("lm_head.weight", "markov_head.markov_w2.weight")  # indexed by draft row

@@ -33,12 +33,7 @@ from woodcock.ir import (
     Drafter,
     DrafterSpec,
     DSpark,
-    Fusion,
     Head,
-    Taps,
-    Target,
-    VocabMap,
-    Weights,
     error_prefix,
 )
 
@@ -108,21 +103,16 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         vocab = hf.integer(config.get("vocab_size", hf.QWEN3_DEFAULTS["vocab_size"]), "vocab_size")
         algorithm = _read_algorithm(config)
     tensors = hf.read_tensors(path)
-    with error_prefix(f"{path}: "):
-        spec = DrafterSpec(
-            algorithm=algorithm,
-            target=Target(
-                num_hidden_layers=target_layers,
-                hidden_size=layers[0].hidden_size,
-                vocab_size=vocab,
-            ),
-            taps=Taps(tap_ids),
-            fusion=Fusion(tap_norm="none", fc_bias=False, hidden_norm=True),
-            layers=layers,
-            head=Head(lm_head="own", embedding="own"),
-            draft_vocab_size=vocab,
-        )
-        return Drafter(spec, VocabMap(), Weights(tensors))
+    return hf.block_drafter(
+        path,
+        algorithm,
+        layers,
+        target_layers=target_layers,
+        vocab=vocab,
+        tap_ids=tap_ids,
+        tensors=tensors,
+        head=Head(lm_head="own", embedding="own"),
+    )
 
 
 def _read_algorithm(config: dict) -> DSpark:

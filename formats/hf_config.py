@@ -18,8 +18,20 @@ import numpy as np
 
 from woodcock.converters.layer_ids import from_canonical, to_canonical
 from woodcock.errors import DrafterError
-from woodcock.formats.speculators import HF_LAYER_DEFAULTS
-from woodcock.ir import ROPE_TYPES, DecoderLayer, Drafter, DrafterSpec, error_prefix
+from woodcock.ir import (
+    ROPE_TYPES,
+    DecoderLayer,
+    DFlash,
+    Drafter,
+    DrafterSpec,
+    Fusion,
+    Head,
+    Taps,
+    Target,
+    VocabMap,
+    Weights,
+    error_prefix,
+)
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.staging import staged_directory
 from woodcock.tensorfile import read_checkpoint, write_safetensors
@@ -68,6 +80,40 @@ LAYER_KEYS = frozenset(
         "num_hidden_layers",
     }
 )
+# transformers 5.x class defaults for the keys a draft layer depends on (tests check them
+# against transformers). None: derived (llama: kv heads = heads, head_dim = hidden / heads).
+HF_LAYER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+}
 QWEN3_DEFAULTS = HF_LAYER_DEFAULTS["qwen3"]  # checked against transformers in the tests
 LLAMA_DEFAULTS = HF_LAYER_DEFAULTS["llama"]
 DEFAULT_ROPE_THETA = 10000.0
@@ -296,26 +342,32 @@ def check_full_attention(config: Mapping[str, Any], count: int) -> None:
             )
 
 
-def uniform_layers(spec: DrafterSpec, fmt: str) -> DecoderLayer:
+# The layer facts one Hugging Face config states for every layer.
+UNIFORM_LAYER_FIELDS = (
+    "style",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "sliding_window",
+    "attention",
+)
+
+
+def uniform_layers(
+    spec: DrafterSpec, fmt: str, fields: Sequence[str] = UNIFORM_LAYER_FIELDS
+) -> DecoderLayer:
     """The one set of layer facts a single Hugging Face config can state."""
     first = spec.layers[0]
     for i, layer in enumerate(spec.layers[1:], start=1):
-        for name in (
-            "style",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "max_position_embeddings",
-            "attention_bias",
-            "mlp_bias",
-            "hidden_act",
-            "sliding_window",
-            "attention",
-        ):
+        for name in fields:
             if getattr(layer, name) != getattr(first, name):
                 raise DrafterError(
                     f"layers[{i}].{name} = {getattr(layer, name)!r} differs from layers[0]"
@@ -398,32 +450,52 @@ def offsets_and_mask(drafter: Drafter) -> dict[str, np.ndarray]:
 
 
 def vocab_from_offsets(
-    where: Path, d2t: np.ndarray | None, t2d: np.ndarray | None, draft_vocab: int, vocab: int
+    where: Path,
+    d2t: np.ndarray | None,
+    t2d: np.ndarray | None,
+    draft_vocab: int,
+    vocab: int,
+    *,
+    needs_d2t: bool = True,
 ) -> np.ndarray | None:
-    """Absolute target ids from `d2t` offsets (checked against `t2d` when present); None for a
-    full vocabulary (the runtimes here ignore both buffers then)."""
-    if draft_vocab == vocab:
-        return None
-    if d2t is None:
+    """Absolute target ids from `d2t` offsets and/or the `t2d` mask (checked against each other
+    when both are present); None for a full vocabulary, whose buffers must then be the identity.
+    needs_d2t: the format's runtime maps drafts through d2t, so the mask alone is not enough."""
+    where = where / "model.safetensors" if where.is_dir() else where
+    if needs_d2t and d2t is None and draft_vocab != vocab:
         raise DrafterError(
             f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but there is no d2t:"
             " the draft-to-target map is missing (an identity map would be wrong)"
         )
-    if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
-        raise DrafterError(
-            f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{draft_vocab}]"
-        )
-    ids = np.arange(draft_vocab, dtype=np.int64) + d2t.astype(np.int64)
+    ids = None
+    if d2t is not None:
+        if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
+            raise DrafterError(
+                f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{draft_vocab}]"
+            )
+        ids = np.arange(draft_vocab, dtype=np.int64) + d2t.astype(np.int64)
     if t2d is not None:
         if t2d.shape != (vocab,) or t2d.dtype != np.bool_:
             raise DrafterError(
                 f"{where}: t2d is {t2d.dtype} {list(t2d.shape)}, expected bool [{vocab}]"
             )
-        if not np.array_equal(np.sort(ids), np.flatnonzero(t2d)):
+        selected = np.flatnonzero(t2d)
+        if ids is None:
+            ids = selected
+        elif not np.array_equal(np.sort(ids), selected):
             raise DrafterError(
                 f"{where}: d2t and t2d disagree: i + d2t[i] does not give the target ids t2d"
                 " marks (is d2t stored as absolute ids instead of offsets?)"
             )
+    if draft_vocab == vocab:
+        if ids is not None and not np.array_equal(ids, np.arange(vocab)):
+            raise DrafterError(f"{where}: d2t/t2d map a full-size draft vocabulary to other ids")
+        return None
+    if ids is None:
+        raise DrafterError(
+            f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but there is no d2t"
+            " or t2d: the draft-to-target map is missing (an identity map would be wrong)"
+        )
     return ids
 
 
@@ -446,6 +518,36 @@ BLOCK_KEYS = frozenset(
         "tie_word_embeddings",
     }
 )
+
+
+def block_drafter(
+    path: Path,
+    algorithm: DFlash,
+    layers: tuple[DecoderLayer, ...],
+    *,
+    target_layers: int | None,
+    vocab: int,
+    tap_ids: tuple[int, ...],
+    tensors: dict[str, np.ndarray],
+    head: Head,
+) -> Drafter:
+    """A full-vocabulary block drafter as the research formats store it: the taps concatenated
+    without a norm, fc without bias, the hidden norm after it."""
+    with error_prefix(f"{path}: "):
+        spec = DrafterSpec(
+            algorithm=algorithm,
+            target=Target(
+                num_hidden_layers=target_layers,
+                hidden_size=layers[0].hidden_size,
+                vocab_size=vocab,
+            ),
+            taps=Taps(tap_ids),
+            fusion=Fusion(tap_norm="none", fc_bias=False, hidden_norm=True),
+            layers=layers,
+            head=head,
+            draft_vocab_size=vocab,
+        )
+        return Drafter(spec, VocabMap(), Weights(tensors))
 
 
 def block_layers(config: Mapping[str, Any]) -> tuple[DecoderLayer, ...]:

@@ -43,12 +43,7 @@ from woodcock.ir import (
     Drafter,
     DrafterSpec,
     DSpark,
-    Fusion,
     Head,
-    Taps,
-    Target,
-    VocabMap,
-    Weights,
     error_prefix,
 )
 
@@ -140,21 +135,16 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         algorithm = _read_algorithm(config, dspark)
     tensors = hf.read_tensors(path, LEGACY_RENAMES)
     refuse_own_head(path, tensors, "SpecForge DSpark")
-    with error_prefix(f"{path}: "):
-        spec = DrafterSpec(
-            algorithm=algorithm,
-            target=Target(
-                num_hidden_layers=target_layers,
-                hidden_size=layers[0].hidden_size,
-                vocab_size=vocab,
-            ),
-            taps=Taps(tap_ids),
-            fusion=Fusion(tap_norm="none", fc_bias=False, hidden_norm=True),
-            layers=layers,
-            head=Head(lm_head="shared", embedding="shared"),
-            draft_vocab_size=vocab,
-        )
-        return Drafter(spec, VocabMap(), Weights(tensors))
+    return hf.block_drafter(
+        path,
+        algorithm,
+        layers,
+        target_layers=target_layers,
+        vocab=vocab,
+        tap_ids=tap_ids,
+        tensors=tensors,
+        head=Head(lm_head="shared", embedding="shared"),
+    )
 
 
 def _read_algorithm(config: dict, dspark: dict) -> DSpark:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from woodcock.errors import DrafterError
+from woodcock.formats import hf_config as hf
 from woodcock.ir import (
     CANONICAL_LAYER_CONVENTION,
     DecoderLayer,
@@ -80,40 +81,6 @@ ALGORITHM_KEYS = {
     "dspark": {*BLOCK_KEYS, "sliding_window_non_causal", *DSPARK_KEYS},
 }
 
-# transformers 5.x class defaults for the keys a draft layer depends on (tests check them
-# against transformers). None: derived (llama: kv heads = heads, head_dim = hidden / heads).
-HF_LAYER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": None,
-        "head_dim": None,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
-    "qwen3": {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-}
 DEFAULT_ROPE_THETA = 10000.0
 # Keys of transformer_layer_config read besides the class defaults' own.
 LAYER_KEYS_READ = {
@@ -183,7 +150,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             else "aux_hidden_state_layer_ids"
         )
         tap_ids = _tap_ids(stored_taps, taps, algorithm_name)
-        default_vocab = HF_LAYER_DEFAULTS[_style(layer_config)]["vocab_size"]
+        default_vocab = hf.HF_LAYER_DEFAULTS[_style(layer_config)]["vocab_size"]
         vocab_size = layer_config.get("vocab_size", default_vocab)
         vocab_size = _int(vocab_size, "transformer_layer_config.vocab_size")
         hidden = layers[0].hidden_size
@@ -237,7 +204,7 @@ def _style(layer_config: dict) -> str:
     model_type = layer_config.get(
         "model_type", "qwen3"
     )  # speculators builds Qwen3Config without it
-    if model_type not in HF_LAYER_DEFAULTS:
+    if model_type not in hf.HF_LAYER_DEFAULTS:
         raise DrafterError(
             f"transformer_layer_config.model_type = {model_type!r}: expected 'llama' or 'qwen3'"
         )
@@ -246,7 +213,7 @@ def _style(layer_config: dict) -> str:
 
 def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderLayer, ...]:
     style = _style(cfg)
-    defaults = HF_LAYER_DEFAULTS[style]
+    defaults = hf.HF_LAYER_DEFAULTS[style]
     unknown = sorted(set(cfg) - set(defaults) - LAYER_KEYS_READ - INERT_LAYER_KEYS)
     if unknown:
         raise DrafterError(
@@ -311,7 +278,7 @@ def _layer_types(cfg: dict, style: str, num_layers: int) -> list[str]:
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         if style == "qwen3" and cfg.get("use_sliding_window", False):
-            first = cfg.get("max_window_layers", HF_LAYER_DEFAULTS["qwen3"]["max_window_layers"])
+            first = cfg.get("max_window_layers", hf.HF_LAYER_DEFAULTS["qwen3"]["max_window_layers"])
             return [
                 "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
             ]
@@ -448,36 +415,7 @@ def _read_vocab(
     path: Path, tensors: dict[str, np.ndarray], draft_vocab: int, vocab: int
 ) -> VocabMap:
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    where = path / "model.safetensors"
-    ids = None
-    if d2t is not None:
-        if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
-            raise DrafterError(
-                f"{where}: d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{draft_vocab}]"
-            )
-        ids = np.arange(draft_vocab, dtype=np.int64) + d2t.astype(np.int64)
-    if t2d is not None:
-        if t2d.shape != (vocab,) or t2d.dtype != np.bool_:
-            raise DrafterError(
-                f"{where}: t2d is {t2d.dtype} {list(t2d.shape)}, expected bool [{vocab}]"
-            )
-        selected = np.flatnonzero(t2d)
-        if ids is None:
-            ids = selected
-        elif not np.array_equal(np.sort(ids), selected):
-            raise DrafterError(
-                f"{where}: d2t and t2d disagree: i + d2t[i] does not give the target ids t2d marks"
-                " (is d2t stored as absolute ids instead of offsets?)"
-            )
-    if draft_vocab == vocab:
-        if ids is not None and not np.array_equal(ids, np.arange(vocab)):
-            raise DrafterError(f"{where}: d2t/t2d map a full-size draft vocabulary to other ids")
-        return VocabMap()
-    if ids is None:
-        raise DrafterError(
-            f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but there is no d2t"
-            " or t2d: the draft-to-target map is missing (an identity map would be wrong)"
-        )
+    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab, needs_d2t=False)
     return VocabMap(ids)
 
 
@@ -489,12 +427,8 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
     spec = drafter.spec
     config = speculators_config(spec)
     tensors = dict(drafter.weights)
-    ids = drafter.vocab.draft_to_target
-    if ids is not None:
-        tensors["d2t"] = ids - np.arange(spec.draft_vocab_size, dtype=np.int64)
-        t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
+    if drafter.vocab.draft_to_target is not None:
+        tensors |= hf.offsets_and_mask(drafter)
     dtypes = drafter.weights.dtypes
     if len(dtypes) == 1:
         config["dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
@@ -596,28 +530,8 @@ def _sliding_non_causal(spec: DrafterSpec) -> bool:
 
 
 def _layer_config(spec: DrafterSpec) -> dict[str, Any]:
-    first = spec.layers[0]
-    shared_fields = (
-        "style",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_scaling",
-        "max_position_embeddings",
-        "attention_bias",
-        "mlp_bias",
-        "hidden_act",
-    )
-    for i, layer in enumerate(spec.layers[1:], start=1):
-        for field in shared_fields:
-            if getattr(layer, field) != getattr(first, field):
-                raise DrafterError(
-                    f"layers[{i}].{field} = {getattr(layer, field)!r} differs from layers[0]"
-                    f" ({getattr(first, field)!r}); speculators has one transformer_layer_config"
-                )
+    # sliding windows and attention kinds may differ by layer type (layer_types), checked below
+    first = hf.uniform_layers(spec, "speculators", hf.UNIFORM_LAYER_FIELDS[:-2])
     windows = {layer.sliding_window for layer in spec.layers} - {None}
     if len(windows) > 1:
         raise DrafterError(f"sliding windows {sorted(windows)} differ; speculators has one")

@@ -11,7 +11,6 @@ woodcock.json       the manifest: target, taps, the tensor table (name, shape, d
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from woodcock import __version__
+from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO, load_counts
 from woodcock.errors import DrafterError
 from woodcock.ir import (
     CANONICAL_LAYER_CONVENTION,
@@ -49,8 +49,6 @@ FORMAT_VERSION = 1
 MANIFEST = "woodcock.json"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-COUNTS = "vocab_counts.npz"
-COUNTS_INFO = "vocab_counts.json"
 VOCAB_TENSOR = "draft_to_target"
 MANIFEST_KEYS = (
     "format",
@@ -84,9 +82,9 @@ def write(
         files[CONFIG] = file_sha256(out / CONFIG)
         counts = drafter.vocab.counts
         if counts is not None:
-            np.savez(out / COUNTS, counts=counts.counts)
+            np.savez(out / COUNTS_FILE, counts=counts.counts)
             write_json(out / COUNTS_INFO, counts.info)
-            files[COUNTS] = file_sha256(out / COUNTS)
+            files[COUNTS_FILE] = file_sha256(out / COUNTS_FILE)
             files[COUNTS_INFO] = file_sha256(out / COUNTS_INFO)
         manifest = {
             "format": NAME,
@@ -146,7 +144,7 @@ def read(path: Path, *, verify: bool = True, taps: Sequence[int] | None = None) 
     _check_tensor_table(path, manifest["tensors"])
     tensors, _ = read_safetensors(path / WEIGHTS)
     draft_to_target = tensors.pop(VOCAB_TENSOR, None)
-    counts = _read_counts(path) if COUNTS in manifest["files"] else None
+    counts = _read_counts(path) if COUNTS_FILE in manifest["files"] else None
     with error_prefix(f"{path}: "):
         return Drafter(spec, VocabMap(draft_to_target, counts), Weights(tensors))
 
@@ -190,11 +188,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     for required in (CONFIG, WEIGHTS):
         if required not in files:
             raise DrafterError(f"{manifest_path}: files has no entry for {required}")
-    if (COUNTS in files) != (COUNTS_INFO in files):
+    if (COUNTS_FILE in files) != (COUNTS_INFO in files):
         raise DrafterError(
-            f"{manifest_path}: files must list both {COUNTS} and {COUNTS_INFO}, or neither"
+            f"{manifest_path}: files must list both {COUNTS_FILE} and {COUNTS_INFO}, or neither"
         )
-    unlisted = sorted(set(files) - {CONFIG, WEIGHTS, COUNTS, COUNTS_INFO})
+    unlisted = sorted(set(files) - {CONFIG, WEIGHTS, COUNTS_FILE, COUNTS_INFO})
     if unlisted:
         raise DrafterError(f"{manifest_path}: files lists unknown file(s) {', '.join(unlisted)}")
     if not isinstance(manifest["tensors"], list):
@@ -253,14 +251,4 @@ def _describe(entry: tuple | None) -> str:
 
 
 def _read_counts(path: Path) -> VocabCounts:
-    file = path / COUNTS
-    try:
-        with np.load(file, allow_pickle=False) as archive:
-            if "counts" not in archive.files:
-                raise DrafterError(f"{file}: no array named 'counts' (found {archive.files})")
-            counts = archive["counts"]
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise DrafterError(f"{file}: not a readable .npz archive ({e})") from None
-    info = read_json_object(path / COUNTS_INFO)
-    with error_prefix(f"{file}: "):
-        return VocabCounts(counts, info)
+    return load_counts(path / COUNTS_FILE).counts

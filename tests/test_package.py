@@ -70,3 +70,13 @@ def test_shipped_drafters_name_no_path_of_the_machine_they_were_made_on():
         if path.suffix == ".json":
             absolute = [s for s in json_strings(json.loads(text)) if os.path.isabs(s)]
             assert not absolute, f"{path.relative_to(REPO)}: {absolute[0]!r}"
+
+
+def test_every_format_module_follows_the_protocol():
+    from woodcock.formats import DrafterFormat
+    from woodcock.formats.detect import FORMATS
+
+    assert len(FORMATS) == 7
+    for fmt in FORMATS:
+        assert isinstance(fmt, DrafterFormat), fmt.__name__
+        assert fmt.LAYER_CONVENTION in ("after_layers", "layer_output"), fmt.__name__

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from strategies import specs, speculators_representable
 
 from woodcock.errors import DrafterError
-from woodcock.formats import speculators
+from woodcock.formats import hf_config, speculators
 from woodcock.formats.detect import format_named
 from woodcock.ir import Drafter, Head
 from woodcock.loading import load_drafter
@@ -70,7 +70,7 @@ def test_hf_layer_defaults_match_transformers():
 
     for style, cls in (("llama", transformers.LlamaConfig), ("qwen3", transformers.Qwen3Config)):
         reference = cls()
-        for key, value in speculators.HF_LAYER_DEFAULTS[style].items():
+        for key, value in hf_config.HF_LAYER_DEFAULTS[style].items():
             if value is None:
                 continue
             if key == "sliding_window":  # Qwen3Config keeps it only when the window is used

@@ -10,6 +10,7 @@ import numpy as np
 
 from woodcock.converters.layer_ids import stored_ids
 from woodcock.errors import DrafterError
+from woodcock.formats.hf_config import offsets_and_mask
 from woodcock.ir import Drafter, to_dict
 from woodcock.tensorfile import dtype_name
 
@@ -27,20 +28,16 @@ def output_tensors(
     sources = {name: name for name in tensors}
     ids = drafter.vocab.draft_to_target
     if writer.NAME == "woodcock":
-        files = ["config.json", "model.safetensors"]
+        files = [writer.CONFIG, writer.WEIGHTS]
         if ids is not None:
-            tensors["draft_to_target"], sources["draft_to_target"] = ids, "(vocabulary map)"
+            tensors[writer.VOCAB_TENSOR], sources[writer.VOCAB_TENSOR] = ids, "(vocabulary map)"
         if drafter.vocab.counts is not None:
-            files += ["vocab_counts.npz", "vocab_counts.json"]
-        return tensors, sources, [*files, "woodcock.json"], []
+            files += [writer.COUNTS_FILE, writer.COUNTS_INFO]
+        return tensors, sources, [*files, writer.MANIFEST], []
     if writer.NAME == "speculators":
         writer.speculators_config(drafter.spec)  # the writer's own checks
         if ids is not None:
-            spec = drafter.spec
-            t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
-            t2d[ids] = True
-            tensors["d2t"] = ids - np.arange(spec.draft_vocab_size, dtype=np.int64)
-            tensors["t2d"] = t2d
+            tensors |= offsets_and_mask(drafter)
             sources["d2t"] = sources["t2d"] = "(vocabulary map)"
         return tensors, sources, ["config.json", "model.safetensors"], []
     raise DrafterError(f"--dry-run: no plan for format {writer.NAME!r}")

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
+from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO
 from woodcock.errors import DrafterError
 from woodcock.provenance import portable_path
 
@@ -38,8 +39,6 @@ app = typer.Typer(
 )
 
 SEGMENT_BYTES = 64 * 1024
-COUNTS_FILE = "vocab_counts.npz"
-COUNTS_INFO = "vocab_counts.json"
 TEXT_BATCH = 64
 
 

@@ -70,14 +70,9 @@ def truncated_head(drafter: Drafter, choice: DrafterChoice, head_size: int) -> n
 
 
 def _read_counts(path: Path) -> np.ndarray:
-    from woodcock.formats.woodcock import COUNTS
+    from woodcock.converters.vocab import load_counts
 
-    file = path / COUNTS if path.is_dir() else path
-    try:
-        with np.load(file, allow_pickle=False) as archive:
-            return np.asarray(archive["counts"], dtype=np.int64)
-    except (OSError, KeyError, ValueError) as e:
-        raise DrafterError(f"{file}: expected a .npz with a 'counts' array ({e})") from None
+    return load_counts(path).counts.counts
 
 
 def default_dtype(requested: str | None):
