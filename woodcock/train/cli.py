@@ -103,8 +103,13 @@ def train(
         int, typer.Option("--max-len", help="Tokens per sequence (prompt + answer), cut beyond.")
     ] = 384,
     head_size: Annotated[
-        int, typer.Option("--head-size", help="Draft vocabulary: the N most frequent tokens.")
-    ] = 8192,
+        int | None,
+        typer.Option(
+            "--head-size",
+            help="Draft vocabulary: the N most frequent tokens (default 8192 for eagle3; for"
+            " dflash/dspark the whole vocabulary, with the target's head).",
+        ),
+    ] = None,
     holdout: Annotated[
         float, typer.Option("--holdout", help="Share of the samples held out.")
     ] = 0.05,
@@ -141,10 +146,47 @@ def train(
     force: Annotated[
         bool, typer.Option("--force", help="Replace OUT / start the checkpoints over.")
     ] = False,
+    algorithm: Annotated[
+        str, typer.Option("--algorithm", help="eagle3 (chain), dflash or dspark (block).")
+    ] = "eagle3",
+    block_size: Annotated[
+        int, typer.Option("--block-size", help="dflash/dspark: slots per block.")
+    ] = 8,
+    layers: Annotated[
+        int, typer.Option("--layers", help="dflash/dspark: decoder layers (Qwen3-style).")
+    ] = 2,
+    markov_rank: Annotated[
+        int, typer.Option("--markov-rank", help="dspark: Markov head rank (0: none).")
+    ] = 256,
+    markov_head: Annotated[
+        str, typer.Option("--markov-head", help="dspark: vanilla, gated or rnn.")
+    ] = "vanilla",
+    confidence_head: Annotated[
+        bool,
+        typer.Option("--confidence-head/--no-confidence-head", help="dspark: confidence head."),
+    ] = True,
+    sample_from_anchor: Annotated[
+        bool | None,
+        typer.Option(
+            "--sample-from-anchor/--no-sample-from-anchor",
+            help="dflash/dspark: the anchor slot drafts too (default: dspark yes, dflash no).",
+        ),
+    ] = None,
+    anchors: Annotated[
+        int, typer.Option("--anchors", help="dflash/dspark: blocks per sequence per step.")
+    ] = 16,
+    decay_gamma: Annotated[
+        float, typer.Option("--decay-gamma", help="dflash/dspark: slot k weighs exp(-k/gamma).")
+    ] = 4.0,
+    confidence_weight: Annotated[
+        float,
+        typer.Option("--confidence-weight", help="dspark: weight of the confidence BCE."),
+    ] = 1.0,
 ) -> None:
-    """Train an EAGLE-3 drafter (one layer shaped like the target's, EAGLE-3.1 post-norm
-    feedback, truncated head) on the target's hidden states over distilled answers; writes the
-    woodcock format with the hold-out agreement by draft step in its provenance."""
+    """Train a drafter on the target's hidden states over distilled answers: EAGLE-3 (one
+    layer shaped like the target's, EAGLE-3.1 post-norm feedback, truncated head), or a DFlash
+    / DSpark block drafter (Qwen3 layers shaped like the target's, the target's embedding and
+    head); writes the woodcock format with hold-out metrics in its provenance."""
     from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
 
     from woodcock.train.options import TrainOptions
@@ -176,6 +218,16 @@ def train(
         finish=finish,
         force=force,
         command=_typed_command(ctx),
+        algorithm=algorithm,
+        block_size=block_size,
+        layers=layers,
+        markov_rank=markov_rank,
+        markov_head=markov_head,
+        confidence_head=confidence_head,
+        sample_from_anchor=sample_from_anchor,
+        anchors=anchors,
+        decay_gamma=decay_gamma,
+        confidence_weight=confidence_weight,
     )
     columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, transient=True) as bar:
@@ -187,17 +239,31 @@ def train(
             bar.update(tasks[phase], completed=done, total=total)
 
         report = run_train(options, progress=progress)
-    agreement = " ".join(f"{a:.3f}" for a in report.holdout_agreement)
-    initial = " ".join(f"{a:.3f}" for a in report.holdout_agreement_initial)
     this_run = (
         f", final loss {report.losses[-1]:.4f}, {report.train_tokens_per_second:.0f} training"
         " tokens/s"
         if report.losses
         else " (no steps in this run)"
     )
+    if options.is_block:
+        last, first = report.holdout, report.holdout_initial
+        accuracy = " ".join(f"{a:.3f}" for a in last["holdout_accuracy"])
+        summary = (
+            f"\nhold-out acceptance length {last['holdout_acceptance_length']:.3f} (at step 0:"
+            f" {first['holdout_acceptance_length']:.3f}), accuracy by draft slot: {accuracy}"
+        )
+        if "holdout_confidence_mean" in last:
+            summary += (
+                f"\nhold-out mean confidence {last['holdout_confidence_mean']:.3f}, mean alpha"
+                f" {last['holdout_alpha_mean']:.3f}"
+            )
+    else:
+        agreement = " ".join(f"{a:.3f}" for a in report.holdout_agreement)
+        initial = " ".join(f"{a:.3f}" for a in report.holdout_agreement_initial)
+        summary = f"\nhold-out agreement by draft step: {agreement} (at step 0: {initial})"
     typer.echo(
         f"wrote {out}: {report.steps} steps"
         + (f" (resumed at {report.resumed_from})" if report.resumed_from else "")
         + this_run
-        + f"\nhold-out agreement by draft step: {agreement} (at step 0: {initial})"
+        + summary
     )

@@ -90,7 +90,7 @@ class TargetRunner:
 
         from woodcock.runtime.target import MlxTarget
 
-        self.model, _ = load(str(source))
+        self.model, self.tokenizer = load(str(source))
         if mx.default_device() == mx.cpu:
             self.model.set_dtype(mx.float32)
         self.layer_ids = tuple(layer_ids)

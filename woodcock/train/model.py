@@ -33,6 +33,41 @@ def _rope_scaling(args) -> dict | None:
     return {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": kind}
 
 
+def layer_like_target(runner: TargetRunner, **fields):
+    """A draft decoder layer with the target's width, heads, head_dim, MLP width, norm epsilon
+    and RoPE; `fields` gives style, input, attention and sliding_window."""
+    from woodcock.ir import DecoderLayer
+
+    args = runner.model.args
+    hidden = runner.hidden_size
+    heads = int(args.num_attention_heads)
+    return DecoderLayer(
+        hidden_size=hidden,
+        intermediate_size=int(args.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(args, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(args, "head_dim", None) or hidden // heads),
+        rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6)),
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(args),
+        max_position_embeddings=int(getattr(args, "max_position_embeddings", 4096) or 4096),
+        **fields,
+    )
+
+
+def target_facts(runner: TargetRunner, target: str):
+    from woodcock.ir import Target
+    from woodcock.target_files import target_from_config
+
+    return Target(
+        num_hidden_layers=runner.num_layers,
+        hidden_size=runner.hidden_size,
+        vocab_size=runner.vocab_size,
+        name_or_path=str(target),
+        architectures=target_from_config(target).architectures,
+    )
+
+
 def build_spec(
     runner: TargetRunner,
     target: str,
@@ -40,44 +75,17 @@ def build_spec(
     draft_vocab: int,
     ttt_steps: int,
 ):
-    from woodcock.ir import DecoderLayer, DrafterSpec, Eagle3, Fusion, Head, Taps, Target
+    from woodcock.ir import DrafterSpec, Eagle3, Fusion, Head, Taps
 
-    args = runner.model.args
-    hidden = runner.hidden_size
-    heads = int(args.num_attention_heads)
-    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(args, "head_dim", None) or hidden // heads)
-    from woodcock.target_files import target_from_config
-
-    architectures = target_from_config(target).architectures
+    layer = layer_like_target(
+        runner, style="llama", input="embed_and_hidden", attention="causal", sliding_window=None
+    )
     return DrafterSpec(
         algorithm=Eagle3(norm_before_residual=True, norm_output=True, speculative_tokens=ttt_steps),
-        target=Target(
-            num_hidden_layers=runner.num_layers,
-            hidden_size=hidden,
-            vocab_size=runner.vocab_size,
-            name_or_path=str(target),
-            architectures=architectures,
-        ),
+        target=target_facts(runner, target),
         taps=Taps(tuple(taps)),
         fusion=Fusion(tap_norm="per_tap", fc_bias=False, hidden_norm=False),
-        layers=(
-            DecoderLayer(
-                style="llama",
-                input="embed_and_hidden",
-                attention="causal",
-                sliding_window=None,
-                hidden_size=hidden,
-                intermediate_size=int(args.intermediate_size),
-                num_attention_heads=heads,
-                num_key_value_heads=kv_heads,
-                head_dim=head_dim,
-                rms_norm_eps=float(getattr(args, "rms_norm_eps", 1e-6)),
-                rope_theta=float(getattr(args, "rope_theta", 10000.0)),
-                rope_scaling=_rope_scaling(args),
-                max_position_embeddings=int(getattr(args, "max_position_embeddings", 4096) or 4096),
-            ),
-        ),
+        layers=(layer,),
         head=Head(lm_head="own", embedding="shared"),
         draft_vocab_size=draft_vocab,
     )
@@ -108,22 +116,26 @@ def load_init(opts: TrainOptions):
     from woodcock.loading import load_drafter_with_format, resolve_source
 
     init, fmt = load_drafter_with_format(opts.init)
-    if init.spec.algorithm.name != "eagle3":
+    if init.spec.algorithm.name != opts.algorithm:
         raise DrafterError(
-            f"--init {opts.init}: algorithm = {init.spec.algorithm.name!r}; this trains 'eagle3'"
+            f"--init {opts.init}: algorithm = {init.spec.algorithm.name!r}; this trains"
+            f" {opts.algorithm!r}"
         )
-    if init.spec.draft_vocab_size != opts.head_size and init.vocab.draft_to_target is not None:
+    head_size = opts.draft_head_size()
+    kept = init.spec.draft_vocab_size if init.vocab.draft_to_target is not None else None
+    if kept is not None and head_size != kept:
         raise DrafterError(
-            f"--init {opts.init}: draft_vocab_size = {init.spec.draft_vocab_size}, --head-size"
-            f" {opts.head_size}: a drafter to start from keeps its head rows; pass --head-size"
-            f" {init.spec.draft_vocab_size}"
+            f"--init {opts.init}: draft_vocab_size = {kept}, --head-size {head_size}: a drafter"
+            f" to start from keeps its head rows; pass --head-size {kept}"
         )
     record: dict[str, Any] = {"source": str(opts.init), "format": fmt.NAME}
     if fmt.NAME == "woodcock":
         theirs = fmt.read_provenance(resolve_source(opts.init))
         record["data"] = theirs.get("data", {}).get("dir")
         record["training"] = theirs.get("training")
-        record["holdout_agreement"] = theirs.get("holdout_agreement")
+        for key in ("holdout_agreement", "holdout"):
+            if key in theirs:
+                record[key] = theirs[key]
     return init, record
 
 
@@ -132,11 +144,16 @@ def start_from(model, init, spec, source: str) -> None:
     builds (the number of TTT steps and the target's name aside)."""
     import mlx.core as mx
 
+    from woodcock.ir import Eagle3
+
+    algorithm = init.spec.algorithm
+    if isinstance(algorithm, Eagle3):
+        algorithm = dataclasses.replace(
+            algorithm, speculative_tokens=spec.algorithm.speculative_tokens
+        )
     theirs = dataclasses.replace(
         init.spec,
-        algorithm=dataclasses.replace(
-            init.spec.algorithm, speculative_tokens=spec.algorithm.speculative_tokens
-        ),
+        algorithm=algorithm,
         target=dataclasses.replace(
             init.spec.target,
             name_or_path=spec.target.name_or_path,

@@ -1,5 +1,7 @@
 """What a training run is asked for (`TrainOptions`, checked before any work) and what it
-reports."""
+reports. One option set serves every algorithm: the EAGLE-3 chain options (ttt_steps,
+step_weight) and the block options (block_size .. confidence_weight) are each ignored, and left
+out of the recipe, by the other kind."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class TrainOptions:
     step_weight: float = 0.8
     batch: int = 8  # sequences per step
     max_len: int = 384  # tokens per sequence (prompt + answer), longer ones are cut
-    head_size: int = 8192
+    head_size: int | None = None  # default: 8192 (eagle3), the whole vocabulary (block drafters)
     holdout: float = 0.05
     seed: int = 0
     eval_every: int = 200
@@ -39,6 +41,31 @@ class TrainOptions:
     finish: bool = False  # with resume: write the drafter from the last checkpoint, no more steps
     force: bool = False
     command: list[str] | None = None  # recorded in the provenance
+    algorithm: str = "eagle3"  # "eagle3", "dflash" or "dspark"
+    block_size: int = 8
+    layers: int = 2  # decoder layers of a block drafter (EAGLE-3's recipe has one)
+    markov_rank: int = 256  # DSpark; 0 = no Markov head
+    markov_head: str = "vanilla"  # DSpark: "vanilla", "gated" or "rnn"
+    confidence_head: bool = True  # DSpark
+    sample_from_anchor: bool | None = None  # default: true for dspark, false for dflash
+    anchors: int = 16  # blocks per sequence per step (at most)
+    decay_gamma: float = 4.0  # slot k's loss weight exp(-k / gamma)
+    confidence_weight: float = 1.0  # DSpark: weight of the confidence head's BCE
+
+    @property
+    def is_block(self) -> bool:
+        return self.algorithm in BLOCK_ALGORITHMS
+
+    def draft_head_size(self) -> int | None:
+        """The head size asked for; None = the whole target vocabulary."""
+        if self.head_size is not None:
+            return self.head_size
+        return None if self.is_block else 8192
+
+    def anchor_first(self) -> bool:
+        if self.sample_from_anchor is not None:
+            return self.sample_from_anchor
+        return self.algorithm == "dspark"
 
     def checkpoint_dir(self) -> Path:
         if self.checkpoints is not None:
@@ -48,38 +75,57 @@ class TrainOptions:
 
     def recipe(self) -> dict[str, Any]:
         """What a resumed run must share with the run it continues."""
+        chain = ("ttt_steps", "step_weight") if not self.is_block else ()
         keys = (
             "steps",
-            "ttt_steps",
+            *chain,
             "lr",
             "min_lr_ratio",
             "weight_decay",
             "clip",
-            "step_weight",
             "batch",
             "max_len",
-            "head_size",
             "holdout",
             "seed",
         )
         recipe = {k: getattr(self, k) for k in keys}
+        recipe["head_size"] = self.draft_head_size()
         recipe["warmup"] = self.warmup_steps()
         recipe["taps"] = list(self.taps) if self.taps else None
         recipe["target"] = str(self.target)
         recipe["data"] = str(Path(self.data).resolve())
         if self.init is not None:
             recipe["init"] = str(self.init)
+        if self.is_block:
+            recipe["algorithm"] = self.algorithm
+            for k in ("block_size", "layers", "anchors", "decay_gamma"):
+                recipe[k] = getattr(self, k)
+            recipe["sample_from_anchor"] = self.anchor_first()
+            if self.algorithm == "dspark":
+                for k in ("markov_rank", "markov_head", "confidence_head", "confidence_weight"):
+                    recipe[k] = getattr(self, k)
         return recipe
 
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
     def check(self) -> None:
-        for name in ("steps", "ttt_steps", "batch", "head_size", "eval_every", "checkpoint_every"):
+        if self.algorithm not in ("eagle3", *BLOCK_ALGORITHMS):
+            raise DrafterError(
+                f"--algorithm {self.algorithm!r}: expected eagle3, {', '.join(BLOCK_ALGORITHMS)}"
+            )
+        counts = ("steps", "ttt_steps", "batch", "eval_every", "checkpoint_every")
+        if self.is_block:
+            counts = (*counts, "layers", "anchors")
+        for name in counts:
             if getattr(self, name) < 1:
                 raise DrafterError(
                     f"--{name.replace('_', '-')} {getattr(self, name)}: expected >= 1"
                 )
+        if self.head_size is not None and self.head_size < 1:
+            raise DrafterError(f"--head-size {self.head_size}: expected >= 1")
+        if self.is_block:
+            self._check_block()
         if self.max_len < 2:
             raise DrafterError(f"--max-len {self.max_len}: expected at least 2 tokens")
         if not 0.0 < self.holdout < 1.0:
@@ -98,6 +144,30 @@ class TrainOptions:
         if self.finish and not self.resume:
             raise DrafterError("--finish ends a checkpointed run: pass --resume with it")
 
+    def _check_block(self) -> None:
+        if self.block_size < 1 + (not self.anchor_first()):
+            raise DrafterError(
+                f"--block-size {self.block_size}: expected room for at least one draft slot"
+            )
+        if self.max_len < self.block_size + 2:
+            raise DrafterError(
+                f"--max-len {self.max_len}: a block of {self.block_size} needs a longer sequence"
+            )
+        if self.markov_rank < 0:
+            raise DrafterError(f"--markov-rank {self.markov_rank}: expected 0 or more")
+        if self.markov_head not in MARKOV_HEADS:
+            raise DrafterError(
+                f"--markov-head {self.markov_head!r}: expected one of {', '.join(MARKOV_HEADS)}"
+            )
+        if not (math.isfinite(self.decay_gamma) and self.decay_gamma > 0):
+            raise DrafterError(f"--decay-gamma {self.decay_gamma}: expected a positive number")
+        if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
+            raise DrafterError(f"--confidence-weight {self.confidence_weight}: expected 0 or more")
+
+
+BLOCK_ALGORITHMS = ("dflash", "dspark")
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
 
 @dataclass
 class TrainReport:
@@ -107,6 +177,8 @@ class TrainReport:
     holdout_agreement: list[float] = field(default_factory=list)
     holdout_agreement_unconditional: list[float] = field(default_factory=list)
     holdout_agreement_initial: list[float] = field(default_factory=list)
+    holdout: dict[str, Any] = field(default_factory=dict)  # block drafters: the last evaluation
+    holdout_initial: dict[str, Any] = field(default_factory=dict)
     train_tokens_per_second: float = 0.0
     feature_seconds: float = 0.0
     train_seconds: float = 0.0

@@ -1,6 +1,9 @@
-"""`woodcock train`: an EAGLE-3 drafter for an mlx-lm target, trained on MLX from distilled answers.
+"""`woodcock train`: a drafter for an mlx-lm target, trained on MLX from distilled answers:
+EAGLE-3 (the default, below) or, with --algorithm dflash|dspark, a block drafter on the same
+answers, feature cache, batches, optimiser and checkpoints (its recipe is in
+`woodcock.train.block_trainer`).
 
-The recipe ("seed recipe"):
+The EAGLE-3 recipe ("seed recipe"):
 
 * Shape: one Llama-style decoder layer with the target's hidden size, heads, head_dim and MLP
   width; it reads three taps (canonical ids 2, N//2, N-3 of an N-layer target; spread over
@@ -59,6 +62,7 @@ import numpy as np
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object
 from woodcock.provenance import portable_path, portable_paths
+from woodcock.train.block_trainer import BlockRun
 from woodcock.train.data import (
     BatchPlan,
     answer_tokens,
@@ -150,8 +154,9 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     vocab = runner.vocab_size
     train_answers, holdout_answers = answer_tokens(train_samples), answer_tokens(holdout)
     counts = np.bincount(train_answers, minlength=vocab).astype(np.int64)
+    head_size = opts.draft_head_size()
     if init is None:
-        head_ids = choose_head(counts, opts.head_size)
+        head_ids = None if head_size is None else choose_head(counts, head_size)
     else:
         head_ids = None if init.vocab.draft_to_target is None else init.vocab.draft_to_target
     draft_vocab = vocab if head_ids is None else len(head_ids)
@@ -167,16 +172,12 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
         },
         "head_size": draft_vocab,
     }
-    spec = build_spec(runner, opts.target, taps, draft_vocab, opts.ttt_steps)
-    head_rows = runner.head if head_ids is None else runner.head[head_ids]
-    model = build_model(spec, runner.embedding, head_rows, runner.final_norm_weight(), opts.seed)
-    if init is not None:
-        start_from(model, init, spec, opts.init)
-    trainer = Trainer(model, head_ids, runner.head, opts)
-    runner.model = None  # the target's weights are no longer needed: free them
-
     train_entries = [cache.index[s.id] for s in train_samples]
     holdout_entries = [cache.index[s.id] for s in holdout]
+    kind = BlockRun if opts.is_block else Eagle3Run
+    run = kind(opts, runner, taps, head_ids, draft_vocab, init, arrays, holdout_entries)
+    spec, model = run.spec, run.model
+    runner.model = None  # the target's weights are no longer needed: free them
     plan = BatchPlan(train_entries, opts.batch, opts.seed)
 
     facts = [(s.id, len(s.tokens), s.prompt_length) for s in samples]
@@ -203,7 +204,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
                 f"--resume: the checkpoint in {ckpt} was made with {k} ="
                 f" {loaded['recipe'].get(k)!r}, this run asks for {state['recipe'].get(k)!r}"
             )
-        load_checkpoint(loaded, model, trainer.optimizer)
+        load_checkpoint(loaded, model, run.optimizer)
         start_step = int(loaded["step"])
         state["initial"] = loaded.get("initial")
         state["train_seconds"] = loaded.get("train_seconds", 0.0)
@@ -213,13 +214,12 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     else:
         ckpt.mkdir(parents=True, exist_ok=True)
         log_path.write_text("", encoding="utf-8")
-        initial = trainer.evaluate(eval_batches(arrays, holdout_entries, opts.ttt_steps))
+        initial = run.evaluate()
         state["initial"] = initial
         state["train_seconds"], state["train_tokens"] = 0.0, 0
         state["last_eval"] = None
         _append(log_path, {"step": 0, "eval": initial})
     report.resumed_from = start_step
-    report.holdout_agreement_initial = state["initial"]["holdout_agreement"]
 
     # Training
     run_tokens, run_seconds = 0, 0.0
@@ -227,57 +227,47 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     final_step = start_step if opts.finish else opts.steps
     for step in range(start_step + 1, final_step + 1):
         t0 = time.perf_counter()
-        batch = make_batch(arrays, plan.at(step), opts.ttt_steps)
-        metrics = trainer.train_step(batch)
+        tokens_in, metrics = run.train_step(plan.at(step), step)
         seconds = time.perf_counter() - t0
-        run_tokens += batch.tokens_in
+        run_tokens += tokens_in
         run_seconds += seconds
         state["train_seconds"] += seconds
-        state["train_tokens"] += batch.tokens_in
+        state["train_tokens"] += tokens_in
         report.losses.append(metrics["loss"])
         entry = {
             "step": step,
             **metrics,
-            "tokens": batch.tokens_in,
+            "tokens": tokens_in,
             "seconds": round(seconds, 4),
-            "tokens_per_second": round(batch.tokens_in / seconds, 1),
+            "tokens_per_second": round(tokens_in / seconds, 1),
         }
         if step % opts.eval_every == 0 or step == opts.steps:
-            last = trainer.evaluate(eval_batches(arrays, holdout_entries, opts.ttt_steps))
+            last = run.evaluate()
             state["last_eval"] = last
             entry["eval"] = last
         _append(log_path, entry)
         if step % opts.checkpoint_every == 0 or step == opts.steps:
-            save_checkpoint(ckpt, step, model, trainer.optimizer, state)
+            save_checkpoint(ckpt, step, model, run.optimizer, state)
         if progress:
             progress("training", step, opts.steps)
     report.steps = final_step
     report.train_seconds = run_seconds
     report.train_tokens_per_second = run_tokens / run_seconds if run_seconds else 0.0
     if last is None or opts.finish:  # resumed from the final checkpoint, or stopped early
-        last = trainer.evaluate(eval_batches(arrays, holdout_entries, opts.ttt_steps))
-    report.holdout_agreement = last["holdout_agreement"]
-    report.holdout_agreement_unconditional = last["holdout_agreement_unconditional"]
+        last = run.evaluate()
+    holdout_record = run.record(report, state["initial"], last)
 
     # Output
     vocab_map = VocabMap(head_ids, VocabCounts(counts, info))
     drafter = Drafter(spec, vocab_map, trained_weights(model))
+    recipe = {**opts.recipe(), "taps": list(taps), "draft_vocab_size": draft_vocab}
+    if spec.is_block:
+        recipe["mask_token_id"] = spec.algorithm.mask_token_id
     provenance = {
-        "trainer": "woodcock train (seed recipe: EAGLE-3 TTT, soft labels, truncated head)",
+        "trainer": run.name,
         "command": opts.command or [],
-        "holdout_agreement": report.holdout_agreement,
-        "holdout_agreement_definition": (
-            "by draft step k = 1..K: share of hold-out rows where the drafter's argmax at step k"
-            " equals the target's full-vocabulary argmax, among rows starting a draft at an"
-            " answer position whose k-1 earlier drafts all matched the target's argmax and the"
-            " teacher-forced (greedy distilled) token: the greedy acceptance rate at position k"
-            " given the earlier drafts were accepted"
-        ),
-        "holdout_agreement_unconditional": report.holdout_agreement_unconditional,
-        "holdout_agreement_initial": report.holdout_agreement_initial,
-        "holdout_loss_by_step": last["holdout_loss_by_step"],
-        "holdout_rows_by_step": last["holdout_rows"],
-        "recipe": {**opts.recipe(), "taps": list(taps), "draft_vocab_size": draft_vocab},
+        **holdout_record,
+        "recipe": recipe,
         **({"init": init_record} if init is not None else {}),
         "data": {
             "dir": str(Path(opts.data).resolve()),
@@ -302,6 +292,50 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     native.write(drafter, out, force=opts.force, provenance=portable_paths(provenance, out))
     report.out = out
     return report
+
+
+class Eagle3Run:
+    """One training run's EAGLE-3 drafter: spec, module, trainer and its hold-out batches."""
+
+    name = "woodcock train (seed recipe: EAGLE-3 TTT, soft labels, truncated head)"
+
+    def __init__(self, opts, runner, taps, head_ids, draft_vocab, init, arrays, holdout_entries):
+        self.opts, self.arrays, self.holdout = opts, arrays, holdout_entries
+        self.spec = build_spec(runner, opts.target, taps, draft_vocab, opts.ttt_steps)
+        head_rows = runner.head if head_ids is None else runner.head[head_ids]
+        self.model = build_model(
+            self.spec, runner.embedding, head_rows, runner.final_norm_weight(), opts.seed
+        )
+        if init is not None:
+            start_from(self.model, init, self.spec, opts.init)
+        self.trainer = Trainer(self.model, head_ids, runner.head, opts)
+        self.optimizer = self.trainer.optimizer
+
+    def train_step(self, entries, step: int) -> tuple[int, dict[str, Any]]:
+        batch = make_batch(self.arrays, entries, self.opts.ttt_steps)
+        return batch.tokens_in, self.trainer.train_step(batch)
+
+    def evaluate(self) -> dict[str, Any]:
+        return self.trainer.evaluate(eval_batches(self.arrays, self.holdout, self.opts.ttt_steps))
+
+    def record(self, report: TrainReport, initial: dict, last: dict) -> dict[str, Any]:
+        report.holdout_agreement_initial = initial["holdout_agreement"]
+        report.holdout_agreement = last["holdout_agreement"]
+        report.holdout_agreement_unconditional = last["holdout_agreement_unconditional"]
+        return {
+            "holdout_agreement": report.holdout_agreement,
+            "holdout_agreement_definition": (
+                "by draft step k = 1..K: share of hold-out rows where the drafter's argmax at"
+                " step k equals the target's full-vocabulary argmax, among rows starting a"
+                " draft at an answer position whose k-1 earlier drafts all matched the target's"
+                " argmax and the teacher-forced (greedy distilled) token: the greedy acceptance"
+                " rate at position k given the earlier drafts were accepted"
+            ),
+            "holdout_agreement_unconditional": report.holdout_agreement_unconditional,
+            "holdout_agreement_initial": report.holdout_agreement_initial,
+            "holdout_loss_by_step": last["holdout_loss_by_step"],
+            "holdout_rows_by_step": last["holdout_rows"],
+        }
 
 
 def _append(path: Path, entry: dict) -> None:

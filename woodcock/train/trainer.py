@@ -83,13 +83,29 @@ class Agreement:
         return [float(h / t) if t else 0.0 for h, t in pairs]
 
 
+def make_optimizer(opts: TrainOptions):
+    """AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to min_lr_ratio of the peak."""
+    import mlx.core as mx
+    import mlx.optimizers as optim
+
+    warmup, total, peak, floor = opts.warmup_steps(), opts.steps, opts.lr, opts.min_lr_ratio
+
+    def schedule(step):
+        step = step.astype(mx.float32)
+        warm = mx.minimum((step + 1) / warmup, 1.0)
+        progress = mx.clip((step + 1 - warmup) / max(1, total - warmup), 0.0, 1.0)
+        decay = floor + (1 - floor) * 0.5 * (1 + mx.cos(math.pi * progress))
+        return peak * warm * decay
+
+    return optim.AdamW(learning_rate=schedule, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+
+
 class Trainer:
     def __init__(
         self, model, head_target_ids: np.ndarray, head_matrix: np.ndarray, opts: TrainOptions
     ):
         import mlx.core as mx
         import mlx.nn as nn
-        import mlx.optimizers as optim
 
         self.model, self.opts = model, opts
         self.steps = opts.ttt_steps
@@ -102,18 +118,7 @@ class Trainer:
         rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
         self.head_t = mx.array(np.ascontiguousarray(rows.T, np.float32))  # [Ht, Vd]
         self.weights = [opts.step_weight**k for k in range(self.steps)]
-        warmup, total, peak, floor = opts.warmup_steps(), opts.steps, opts.lr, opts.min_lr_ratio
-
-        def schedule(step):
-            step = step.astype(mx.float32)
-            warm = mx.minimum((step + 1) / warmup, 1.0)
-            progress = mx.clip((step + 1 - warmup) / max(1, total - warmup), 0.0, 1.0)
-            decay = floor + (1 - floor) * 0.5 * (1 + mx.cos(math.pi * progress))
-            return peak * warm * decay
-
-        self.optimizer = optim.AdamW(
-            learning_rate=schedule, betas=(0.9, 0.95), weight_decay=opts.weight_decay
-        )
+        self.optimizer = make_optimizer(opts)
         self._loss_and_grad = nn.value_and_grad(model, self._loss)
 
     def _inputs(self, batch: Batch) -> StepInputs:

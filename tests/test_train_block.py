@@ -1,0 +1,462 @@
+"""`woodcock train --algorithm dflash|dspark` on the offline tiny target: the training forward is
+the runtime block drafter's function, training learns and resumes exactly, and the drafter it
+writes loads in every format that can hold it, matches the torch reference and decodes
+exactly."""
+
+import dataclasses
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import json_strings
+from mlx.utils import tree_unflatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from woodcock.conversion import convert
+from woodcock.demo import CORPUS, write_tiny_target
+from woodcock.errors import DrafterError
+from woodcock.formats import woodcock as native
+from woodcock.ir import Drafter, VocabMap
+from woodcock.loading import load_drafter_with_format
+from woodcock.runtime.block import BlockDrafter
+from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.parity import block_parity
+from woodcock.runtime.target import MlxTarget
+from woodcock.train import train as T
+from woodcock.train.block_model import (
+    block_states,
+    build_block_model,
+    build_block_spec,
+    mask_token_id,
+    slot_outputs,
+)
+from woodcock.train.block_trainer import anchor_candidates, spread_anchors, train_anchors
+from woodcock.train.cli import app
+from woodcock.train.data import Batch
+from woodcock.train.distill import read_answers
+from woodcock.train.features import TargetRunner
+from woodcock.train.model import trained_weights
+from woodcock.train.options import TrainOptions
+
+TAPS = (1, 2, 3)  # not the last target layer: SpecForge and DeepSpec refuse it
+STEPS = 100
+
+
+def run_cli(args):
+    app(args, standalone_mode=False)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_block")
+    target = write_tiny_target(root / "target")
+    words = " ".join(CORPUS).split()
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(30):
+            j = (7 * i) % (len(words) - 3)
+            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}))
+            f.write("\n")
+    run_cli(
+        [
+            "distill",
+            "--target",
+            str(target),
+            "--prompts",
+            str(root / "prompts.jsonl"),
+            "--out",
+            str(root / "data"),
+            "--max-tokens",
+            "40",
+            "--no-chat",
+        ]
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(work):
+    """DSpark, block 4, rank 64 vanilla Markov head, the confidence head, the target's head."""
+    out = work / "dspark"
+    run_cli(
+        [
+            "train",
+            "--target",
+            str(work / "target"),
+            "--data",
+            str(work / "data"),
+            "--out",
+            str(out),
+            "--algorithm",
+            "dspark",
+            "--block-size",
+            "4",
+            "--markov-rank",
+            "64",
+            "--anchors",
+            "8",
+            "--taps",
+            ",".join(map(str, TAPS)),
+            "--steps",
+            str(STEPS),
+            "--batch",
+            "4",
+            "--lr",
+            "3e-3",
+            "--holdout",
+            "0.2",
+            "--eval-every",
+            "30",
+            "--checkpoint-every",
+            "30",
+            "--max-len",
+            "96",
+        ]
+    )
+    return out
+
+
+# -- the training forward is the runtime's function ------------------------------------------
+
+
+VARIANTS = {
+    "dflash": dict(algorithm="dflash"),
+    "dspark-vanilla": dict(algorithm="dspark", markov_head="vanilla"),
+    "dspark-gated": dict(algorithm="dspark", markov_head="gated"),
+    "dspark-rnn": dict(algorithm="dspark", markov_head="rnn"),
+    # slot 0 only runs; the rnn state still steps through it
+    "dspark-rnn-not-from-anchor": dict(
+        algorithm="dspark", markov_head="rnn", sample_from_anchor=False
+    ),
+    "dspark-no-confidence": dict(algorithm="dspark", confidence_head=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_training_forward_is_the_runtime_block_drafter(work, variant):
+    """Every slot's logits (Markov bias included, teacher-forced) and confidence of blocks
+    anchored anywhere in two padded sequences equal `BlockDrafter.propose` after the context
+    x_0..x_{p-1}, with its drafts forced to be the sequence's next tokens. The second layer has
+    a sliding window and causal in-block attention, so both masks are exercised."""
+    target_dir = str(work / "target")
+    runner = TargetRunner(target_dir, TAPS)
+    opts = TrainOptions(
+        target=target_dir,
+        data=work / "data",
+        out=work / "unused",
+        block_size=5,
+        markov_rank=12,
+        **VARIANTS[variant],
+    )
+    spec = build_block_spec(runner, target_dir, TAPS, runner.vocab_size, opts, 0)
+    first_layer = spec.layers[0]
+    windowed = dataclasses.replace(first_layer, sliding_window=6, attention="block_causal")
+    spec = dataclasses.replace(spec, layers=(first_layer, windowed))
+    model = build_block_model(
+        spec, runner.embedding, runner.head, runner.final_norm_weight(), seed=1
+    )
+    rng = np.random.default_rng(0)
+    weights = {
+        k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+        for k, v in trained_weights(model).items()
+    }
+    model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    target = MlxTarget(runner.model, TAPS)
+    runtime = BlockDrafter(Drafter(spec, VocabMap(), weights), target.shared_tensors())
+
+    rows = read_answers(work / "data")[:2]
+    sequences = [np.array(r["prompt_ids"] + r["answer_ids"], np.int32) for r in rows]
+    size = spec.algorithm.block_size
+    anchors = [[1, 4, len(sequences[0]) - size - 1], [2, len(sequences[1]) - size - 1]]
+    width = max(len(x) for x in sequences)
+    tokens = np.zeros((2, width), np.int32)
+    taps = np.zeros((2, width, len(TAPS) * runner.hidden_size), np.float32)
+    for j, x in enumerate(sequences):
+        target.reset()
+        tokens[j, : len(x)] = x
+        taps[j, : len(x)] = np.array(target.forward(mx.array(x))[1])
+    p = np.ones((2, 3), np.int32)  # padding blocks at position 1
+    for j, a in enumerate(anchors):
+        p[j, : len(a)] = a
+    shift = 0 if spec.algorithm.sample_from_anchor else 1
+    k = np.arange(size)
+    block_ids = np.full((2, 3, size), spec.algorithm.mask_token_id, np.int32)
+    block_ids[:, :, 0] = np.take_along_axis(tokens, p, 1)
+    prev = np.take_along_axis(tokens, (p[..., None] + np.maximum(k - shift, 0)).reshape(2, -1), 1)
+    hidden = block_states(model, spec, mx.array(taps), mx.array(p), mx.array(block_ids))
+    logits, confidence = slot_outputs(model, spec, hidden, mx.array(prev.reshape(2, 3, size)))
+    logits = np.array(logits).reshape(2, 3, size, -1)
+    confidence = None if confidence is None else np.array(mx.sigmoid(confidence)).reshape(2, 3, -1)
+
+    drafts = spec.algorithm.num_drafts
+    for j, x in enumerate(sequences):
+        for a, anchor in enumerate(anchors[j]):
+            forced = iter(x[anchor + 1 :].tolist())
+            runtime.reset()
+            runtime.add_context(mx.array(x[1 : anchor + 1]), mx.array(taps[j, :anchor]))
+            _, chain = runtime.propose(drafts, lambda _, it=forced: mx.array(next(it)))
+            np.testing.assert_allclose(logits[j, a, shift:], np.array(chain), atol=1e-5)
+            if confidence is None:
+                assert runtime.last_confidence is None
+            else:
+                np.testing.assert_allclose(
+                    confidence[j, a, shift:], np.array(runtime.last_confidence), atol=1e-5
+                )
+
+
+def test_anchors_fit_in_the_answer_and_follow_the_seed_and_step():
+    assert anchor_candidates(20, 5, 4).tolist() == list(range(5, 16))  # p + 4 <= 19
+    assert anchor_candidates(9, 5, 4).tolist() == []
+    batch = Batch(
+        tokens=np.zeros((3, 40), np.int32),
+        final=None,
+        argmax=None,
+        taps=None,
+        lengths=np.array([40, 12, 9]),
+        prompt_lengths=np.array([3, 5, 5]),
+    )
+    drawn = train_anchors(batch, 8, 4, seed=1, step=7)
+    assert [len(a) for a in drawn] == [8, 3, 0]
+    assert drawn[1].tolist() == [5, 6, 7]
+    assert all(np.all(np.diff(a) > 0) and a.min() >= 3 and a.max() <= 35 for a in drawn[:1])
+    again = train_anchors(batch, 8, 4, seed=1, step=7)
+    assert all(np.array_equal(x, y) for x, y in zip(drawn, again, strict=True))
+    other = train_anchors(batch, 8, 4, seed=1, step=8)
+    assert not np.array_equal(drawn[0], other[0])
+    spread = spread_anchors(batch, 4, 4)
+    assert spread[0].tolist() == [3, 11, 19, 27] and spread[1].tolist() == [5, 6, 7]
+
+
+def test_mask_token_is_one_the_target_has():
+    class Tokenizer:
+        mask_token_id = None
+        pad_token_id = None
+        eos_token_id = [7, 8]
+
+    assert mask_token_id(Tokenizer(), 100) == 7
+    Tokenizer.pad_token_id = 3
+    assert mask_token_id(Tokenizer(), 100) == 3
+    Tokenizer.pad_token_id, Tokenizer.eos_token_id = None, None
+    with pytest.raises(DrafterError, match="MASK"):
+        mask_token_id(Tokenizer(), 100)
+
+
+# -- the trained drafter ---------------------------------------------------------------------
+
+
+def test_trained_dspark_learns_and_records_holdout_metrics(work, trained):
+    drafter, fmt = load_drafter_with_format(trained)
+    spec = drafter.spec
+    assert fmt.NAME == "woodcock" and spec.algorithm.name == "dspark"
+    algorithm = spec.algorithm
+    assert (algorithm.block_size, algorithm.markov_rank, algorithm.markov_head_type) == (
+        4,
+        64,
+        "vanilla",
+    )
+    assert algorithm.sample_from_anchor and algorithm.confidence_head_with_markov
+    assert spec.taps.layer_ids == TAPS and spec.fusion.hidden_norm
+    assert [layer.style for layer in spec.layers] == ["qwen3", "qwen3"]
+    assert spec.head.lm_head == "shared" and spec.head.embedding == "shared"
+    assert spec.draft_vocab_size == spec.target.vocab_size and drafter.vocab.draft_to_target is None
+    assert "lm_head.weight" not in drafter.weights and "embed_tokens.weight" not in drafter.weights
+
+    log = [
+        json.loads(line) for line in (work / "dspark.ckpt" / "log.jsonl").read_text().splitlines()
+    ]
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert len(losses) == STEPS
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1
+
+    provenance = native.read_provenance(trained)
+    last, initial = provenance["holdout"], provenance["holdout_initial"]
+    assert len(last["accuracy"]) == 4 and last["blocks"] > 10
+    assert last["acceptance_length"] > initial["acceptance_length"] + 0.15, (last, initial)
+    assert last["expected_acceptance_length"] > initial["expected_acceptance_length"] + 0.3
+    assert last["alpha_mean"] > initial["alpha_mean"] + 0.1
+    assert last["loss"] < initial["loss"] - 0.1
+    # the confidence head has learnt the scale of alpha
+    assert abs(last["confidence_mean"] - last["alpha_mean"]) < 0.1
+    assert abs(initial["confidence_mean"] - initial["alpha_mean"]) > 0.04
+    assert 1.0 <= last["acceptance_length"] <= 5.0
+    assert set(provenance["holdout_definition"]) >= {"accuracy", "acceptance_length"}
+    recipe = provenance["recipe"]
+    assert recipe["algorithm"] == "dspark" and recipe["anchors"] == 8
+    assert recipe["mask_token_id"] == algorithm.mask_token_id and "ttt_steps" not in recipe
+    assert provenance["command"][provenance["command"].index("--algorithm") + 1] == "dspark"
+    assert not [text for text in json_strings(provenance) if os.path.isabs(text)]
+
+
+def test_trained_drafter_converts_and_matches_the_torch_reference(work, trained, tmp_path):
+    pytest.importorskip("torch")
+    drafter, _ = load_drafter_with_format(trained)
+    target = load(str(work / "target"))[0]
+    shared = MlxTarget(target, TAPS).shared_tensors()
+    report = block_parity(drafter, shared)
+    assert report["ok"], report
+    for fmt in ("speculators", "specforge-dspark", "deepspec-dspark"):
+        convert(str(trained), tmp_path / fmt, to=fmt, target=str(work / "target"))
+        again, read_as = load_drafter_with_format(tmp_path / fmt)
+        assert read_as.NAME == fmt
+        assert dataclasses.replace(again.spec, target=drafter.spec.target) == dataclasses.replace(
+            drafter.spec, head=again.spec.head
+        )
+        for name, array in drafter.weights.items():
+            assert np.array_equal(np.asarray(again.weights[name], np.float32), array), (fmt, name)
+        assert block_parity(again, shared)["ok"]
+
+
+def test_trained_drafter_decodes_exactly(work, trained):
+    drafter, _ = load_drafter_with_format(trained)
+    model, tokenizer = load(str(work / "target"))
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = BlockDrafter(drafter, target.shared_tensors())
+    stats = Stats()
+    for prompt in ([5, 17, 33], read_answers(work / "data")[3]["prompt_ids"]):
+        expected = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=40):
+            if token in tokenizer.eos_token_ids:
+                break
+            expected.append(token)
+        got = generate_tokens(
+            prompt,
+            target,
+            runtime,
+            max_tokens=40,
+            num_draft=runtime.num_drafts,
+            eos_ids=tokenizer.eos_token_ids,
+            stats=stats,
+        )
+        assert got == expected
+    assert stats.tokens_per_round > 1.3  # the trained drafter's drafts are accepted
+
+
+# -- resume, options -------------------------------------------------------------------------
+
+
+def short_block_run(work, out, **changes) -> TrainOptions:
+    """DFlash with its own head truncated to 160 rows: 8 steps, a checkpoint every 3."""
+    settings = dict(
+        target=str(work / "target"),
+        algorithm="dflash",
+        block_size=4,
+        layers=1,
+        anchors=4,
+        head_size=160,
+        steps=8,
+        batch=3,
+        lr=2e-3,
+        holdout=0.2,
+        eval_every=100,
+        checkpoint_every=3,
+        max_len=64,
+        taps=TAPS,
+    )
+    return TrainOptions(data=work / "data", out=out, **{**settings, **changes})
+
+
+def test_block_resume_continues_with_the_same_losses(work, tmp_path):
+    whole = T.train(short_block_run(work, tmp_path / "whole"))
+
+    class Stop(Exception):
+        pass
+
+    def crash_at_5(phase, done, total):
+        if phase == "training" and done == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        T.train(short_block_run(work, tmp_path / "cut"), progress=crash_at_5)
+    with pytest.raises(DrafterError, match="--resume: the checkpoint .* anchors = 4"):
+        T.train(short_block_run(work, tmp_path / "cut", resume=True, anchors=5))
+    with pytest.raises(DrafterError, match="--resume: the checkpoint .* algorithm"):
+        T.train(short_block_run(work, tmp_path / "cut", resume=True, algorithm="dspark"))
+    resumed = T.train(short_block_run(work, tmp_path / "cut", resume=True))
+    assert resumed.resumed_from == 3
+    assert resumed.losses == whole.losses[3:]  # bit for bit: same batches, anchors and state
+    assert resumed.holdout == whole.holdout
+    drafter, _ = load_drafter_with_format(tmp_path / "cut")
+    spec = drafter.spec
+    assert spec.algorithm.name == "dflash" and not spec.algorithm.sample_from_anchor
+    assert spec.head.lm_head == "own" and drafter.vocab.draft_to_target.shape == (160,)
+    assert len(native.read_provenance(tmp_path / "cut")["holdout"]["accuracy"]) == 3
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(algorithm="medusa"), "--algorithm 'medusa'"),
+        (dict(markov_head="lstm"), "--markov-head 'lstm'"),
+        (dict(block_size=1, sample_from_anchor=False), "--block-size 1"),
+        (dict(anchors=0), "--anchors 0"),
+        (dict(decay_gamma=0.0), "--decay-gamma 0.0"),
+        (dict(confidence_weight=-1.0), "--confidence-weight -1.0"),
+        (dict(max_len=5), "--max-len 5"),
+    ],
+)
+def test_block_options_are_checked(work, tmp_path, changes, message):
+    with pytest.raises(DrafterError, match=message):
+        T.train(short_block_run(work, tmp_path / "x", **{"algorithm": "dspark", **changes}))
+
+
+def test_cli_reports_block_holdout_metrics(work, tmp_path, capsys):
+    capsys.readouterr()
+    run_cli(
+        [
+            "train",
+            "--target",
+            str(work / "target"),
+            "--data",
+            str(work / "data"),
+            "--out",
+            str(tmp_path / "d"),
+            "--algorithm",
+            "dspark",
+            "--block-size",
+            "3",
+            "--markov-head",
+            "gated",
+            "--markov-rank",
+            "8",
+            "--steps",
+            "2",
+            "--max-len",
+            "48",
+            "--holdout",
+            "0.2",
+            "--taps",
+            "1,2,3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'd'}: 2 steps" in out
+    assert "hold-out acceptance length" in out and "mean confidence" in out
+    spec = load_drafter_with_format(tmp_path / "d")[0].spec
+    assert spec.algorithm.markov_head_type == "gated" and len(spec.layers) == 2
+
+
+def test_init_starts_from_a_trained_block_drafter(work, trained, tmp_path):
+    same = dict(
+        algorithm="dspark",
+        block_size=4,
+        layers=2,
+        markov_rank=64,
+        anchors=8,
+        head_size=None,
+        max_len=96,
+        steps=1,
+        lr=1e-7,
+        init=str(trained),
+    )
+    warm = T.train(short_block_run(work, tmp_path / "warm", **same))
+    # its first evaluation is the trained drafter's last one: the same weights, the same blocks
+    theirs = native.read_provenance(trained)["holdout"]
+    assert {k.removeprefix("holdout_"): v for k, v in warm.holdout_initial.items()} == theirs
+    record = native.read_provenance(tmp_path / "warm")["init"]
+    assert record["format"] == "woodcock" and "holdout" in record
+    with pytest.raises(DrafterError, match=r"--init .*: layers = .*; this run trains"):
+        T.train(short_block_run(work, tmp_path / "x", **{**same, "layers": 1}))
+    with pytest.raises(DrafterError, match=r"--init .*: algorithm = 'dspark'; this trains"):
+        T.train(short_block_run(work, tmp_path / "y", **{**same, "algorithm": "dflash"}))

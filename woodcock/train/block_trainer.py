@@ -1,0 +1,387 @@
+"""Training block drafters (DFlash, DSpark): anchors, per-slot targets and loss, hold-out
+metrics, and the run `woodcock.train.train.train` drives for --algorithm dflash|dspark.
+
+The recipe follows speculators 0.9.0 (speculators/models/dflash/core.py, dflash/utils.py,
+dspark/core.py, dspark/metrics.py, losses/utils.py):
+
+* Anchors: per sequence up to --anchors positions p drawn without replacement among the answer
+  positions whose block fits before the last position (P <= p <= L-1-B, P the prompt length),
+  a function of the seed and the step. The hold-out uses up to --anchors evenly spaced ones per
+  sample, the same at every evaluation.
+* Targets: slot k predicts position p+k+1 (sample_from_anchor) or p+k (else, slot 0 only runs),
+  against the target's distribution at the position before, restricted to the draft
+  vocabulary: softmax(final hidden state @ the target's head rows). DSpark's Markov head is
+  teacher-forced on the ground-truth token before each predicted one.
+* Loss: KL(target || draft) per slot, weighted exp(-j/gamma) for draft slot j (slot k = j, or
+  k = j+1 without sample_from_anchor), summed over the batch's slots and divided by their number;
+  rows whose target argmax lies outside a truncated head carry no loss (as in EAGLE-3 training
+  here). DSpark adds --confidence-weight x the same weighting of BCE(confidence, alpha), alpha =
+  sum_v min(p_v, q_v) = 1 - TV(p, q), the acceptance rate of the Markov-corrected draft q under
+  rejection sampling (no gradient through alpha).
+* Hold-out metrics: per draft slot the greedy accuracy (the draft's argmax, as a target id,
+  equals the target's full-vocabulary argmax there), the acceptance length (mean over blocks of
+  1 + the leading run of correct slots: the greedy acceptance length, since for greedy distilled
+  answers the teacher-forced previous tokens are the drafts while they are correct), the
+  expected acceptance length 1 + sum_k prod_{j<=k} alpha_j, and mean confidence vs mean alpha.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from woodcock.train.data import Batch, eval_batches, make_batch
+from woodcock.train.options import TrainOptions
+from woodcock.train.trainer import make_optimizer
+
+
+def anchor_candidates(length: int, prompt_length: int, block_size: int) -> np.ndarray:
+    """Anchor positions of one sequence: answer tokens (p >= P) whose whole block predicts
+    tokens of the sequence (p + B <= L - 1)."""
+    return np.arange(prompt_length, length - block_size, dtype=np.int64)
+
+
+def train_anchors(batch: Batch, count: int, block_size: int, seed: int, step: int):
+    """Per sequence up to `count` anchors, sorted, drawn from (seed, step) alone."""
+    rng = np.random.default_rng([seed, step])
+    out = []
+    for length, prompt in zip(batch.lengths, batch.prompt_lengths, strict=True):
+        candidates = anchor_candidates(int(length), int(prompt), block_size)
+        k = min(count, candidates.size)
+        out.append(np.sort(rng.choice(candidates, size=k, replace=False)))
+    return out
+
+
+def spread_anchors(batch: Batch, count: int, block_size: int):
+    """Per sequence up to `count` evenly spaced anchors, the first at the first answer token."""
+    out = []
+    for length, prompt in zip(batch.lengths, batch.prompt_lengths, strict=True):
+        candidates = anchor_candidates(int(length), int(prompt), block_size)
+        k = min(count, candidates.size)
+        out.append(candidates[(np.arange(k) * candidates.size) // max(k, 1)])
+    return out
+
+
+@dataclass
+class BlockInputs:
+    taps: Any  # mx [S, Lc, A*Ht]: context rows 0..Lc-1, Lc = the last anchor's position
+    anchors: Any  # mx int32 [S, N]; padding blocks sit at position 1 and have no rows
+    block_ids: Any  # mx int32 [S, N, B]: [x_p, MASK, ...]
+    prev_ids: Any  # mx int32 [S, N, B]: the token before each slot's prediction
+    rows: Any  # mx int32 [n]: flat S*N*B indices of the draft slots of real blocks
+    target: Any  # mx [n, Vd]: the target's draft-vocabulary distribution per row
+    neg_entropy: Any  # mx [n]: sum p log p of each row's target (KL = CE + this)
+    weight: Any  # mx [n]: decay weight, 0 where the target's argmax is outside the head
+    count: Any  # mx scalar: the loss's denominator (rows with a loss, at least 1)
+    slot: np.ndarray  # [n] draft slot j
+    block: np.ndarray  # [n] flat block index s*N + a
+    target_argmax: np.ndarray  # [n] the target's full-vocabulary argmax
+    blocks: int  # S*N
+    tokens_in: int
+
+
+class BlockTrainer:
+    def __init__(self, model, spec, head_target_ids, head_matrix: np.ndarray, opts: TrainOptions):
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        self.model, self.spec, self.opts = model, spec, opts
+        algorithm = spec.algorithm
+        self.block_size = algorithm.block_size
+        self.shift = 0 if algorithm.sample_from_anchor else 1
+        self.slots = algorithm.num_drafts
+        self.mask_id = algorithm.mask_token_id
+        vocab = int(head_matrix.shape[0])
+        self.head_ids = (
+            np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
+        )
+        self.in_head = np.zeros(vocab, bool)
+        self.in_head[self.head_ids] = True
+        rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
+        self.head_t = mx.array(np.ascontiguousarray(rows.T, np.float32))  # [Ht, Vd]
+        self.decay = np.exp(-np.arange(self.slots) / opts.decay_gamma).astype(np.float32)
+        self.optimizer = make_optimizer(opts)
+        self._loss_and_grad = nn.value_and_grad(model, self._loss)
+
+    def inputs(self, batch: Batch, anchors: Sequence[np.ndarray]) -> BlockInputs | None:
+        """None when no sequence of the batch has room for a block."""
+        import mlx.core as mx
+
+        size, shift = self.block_size, self.shift
+        count = max(len(a) for a in anchors)
+        if count == 0:
+            return None
+        s = len(anchors)
+        p = np.ones((s, count), np.int64)
+        real = np.zeros((s, count), bool)
+        for j, a in enumerate(anchors):
+            p[j, : len(a)], real[j, : len(a)] = a, True
+        k = np.arange(size)
+        # slot k's label is the target's distribution at position t = p + k - shift, and its
+        # previous token (DSpark) is the token at t, the anchor itself for slot 0
+        t = p[..., None] + k - shift  # [S, N, B]
+        prev = np.take_along_axis(batch.tokens, np.maximum(t, p[..., None]).reshape(s, -1), 1)
+        block_ids = np.full((s, count, size), self.mask_id, np.int32)
+        block_ids[:, :, 0] = np.take_along_axis(batch.tokens, p, 1)
+        is_row = real[..., None] & (k >= shift)[None, None, :]
+        flat = np.flatnonzero(is_row.ravel())
+        b_idx, rest = np.divmod(flat, count * size)
+        a_idx, k_idx = np.divmod(rest, size)
+        t_rows = t.reshape(-1)[flat]
+        argmax = batch.argmax[b_idx, t_rows]
+        weight = self.decay[k_idx - shift] * self.in_head[np.maximum(argmax, 0)]
+        z = mx.array(batch.final[b_idx, t_rows]) @ self.head_t  # the target's logits [n, Vd]
+        z_lse = mx.logsumexp(z, axis=-1)
+        target = mx.exp(z - z_lse[:, None])
+        # sum p log p = sum p z - logsumexp(z): no log over the vocabulary
+        neg_entropy = (target * z).sum(-1) - z_lse
+        context = int(p[real].max())
+        return BlockInputs(
+            taps=mx.array(batch.taps[:, :context]),
+            anchors=mx.array(p.astype(np.int32)),
+            block_ids=mx.array(block_ids),
+            prev_ids=mx.array(prev.reshape(s, count, size).astype(np.int32)),
+            rows=mx.array(flat.astype(np.int32)),
+            target=target,
+            neg_entropy=neg_entropy,
+            weight=mx.array(weight.astype(np.float32)),
+            count=mx.array(float(max(1, int((weight > 0).sum())))),
+            slot=k_idx - shift,
+            block=b_idx * count + a_idx,
+            target_argmax=argmax,
+            blocks=s * count,
+            tokens_in=batch.tokens_in,
+        )
+
+    def _loss(self, model, inputs: BlockInputs):
+        import mlx.core as mx
+
+        from woodcock.train.block_model import block_states, slot_outputs
+
+        hidden = block_states(model, self.spec, inputs.taps, inputs.anchors, inputs.block_ids)
+        logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
+        lse = mx.logsumexp(logits, axis=-1)
+        kl = lse - (inputs.target * logits).sum(-1) + inputs.neg_entropy  # [n]
+        token_loss = (inputs.weight * kl).sum() / inputs.count
+        q = mx.exp(logits - lse[:, None])
+        alpha = mx.stop_gradient(mx.minimum(q, inputs.target).sum(-1))
+        total, confidence_loss, probability = token_loss, mx.array(0.0), None
+        if confidence is not None:
+            # BCE with logits: softplus(z) - alpha z
+            bce = mx.logaddexp(mx.zeros_like(confidence), confidence) - alpha * confidence
+            confidence_loss = (inputs.weight * bce).sum() / inputs.count
+            total = total + self.opts.confidence_weight * confidence_loss
+            probability = mx.sigmoid(confidence)
+        outputs = (token_loss, confidence_loss, kl, alpha, probability, mx.argmax(logits, -1))
+        return total, outputs
+
+    def _metrics(self, inputs: BlockInputs, outputs) -> tuple[BlockMetrics, dict]:
+        token_loss, confidence_loss, kl, alpha, probability, drafts = outputs
+        metrics = BlockMetrics(self.slots)
+        metrics.add(
+            inputs,
+            self.head_ids[np.array(drafts)],
+            np.array(alpha),
+            None if probability is None else np.array(probability),
+            np.array(kl),
+        )
+        losses = {"token_loss": float(token_loss.item())}
+        if probability is not None:
+            losses["confidence_loss"] = float(confidence_loss.item())
+        return metrics, losses
+
+    def train_step(self, inputs: BlockInputs | None) -> dict[str, Any]:
+        import mlx.core as mx
+        import mlx.optimizers as optim
+
+        if inputs is None:
+            # nothing to learn from (every answer shorter than a block): no update
+            return {"loss": 0.0, "blocks": 0, "rows": 0, "skipped": True}
+        (loss, outputs), grads = self._loss_and_grad(self.model, inputs)
+        grads, norm = optim.clip_grad_norm(grads, self.opts.clip)
+        self.optimizer.update(self.model, grads)
+        ready = [x for x in outputs if x is not None]
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, ready)
+        metrics, losses = self._metrics(inputs, outputs)
+        summary = metrics.summary()
+        return {
+            "loss": float(loss.item()),
+            **losses,
+            "accuracy": summary["accuracy"],
+            "acceptance_length": summary["acceptance_length"],
+            "blocks": summary["blocks"],
+            "rows": int(inputs.rows.shape[0]),
+            "grad_norm": float(norm.item()),
+            "lr": float(self.optimizer.learning_rate.item()),  # the rate this step used
+        }
+
+    def evaluate(self, batches: Iterable[tuple[Batch, Sequence[np.ndarray]]]) -> dict[str, Any]:
+        import mlx.core as mx
+
+        metrics = BlockMetrics(self.slots)
+        loss_sum, confidence_sum, count = 0.0, 0.0, 0.0
+        for batch, anchors in batches:
+            inputs = self.inputs(batch, anchors)
+            if inputs is None:
+                continue
+            _, outputs = self._loss(self.model, inputs)
+            mx.eval([x for x in outputs if x is not None])
+            part, losses = self._metrics(inputs, outputs)
+            metrics.merge(part)
+            n = float(inputs.count.item())
+            loss_sum += losses["token_loss"] * n
+            confidence_sum += losses.get("confidence_loss", 0.0) * n
+            count += n
+        summary = metrics.summary()
+        out = {f"holdout_{k}": v for k, v in summary.items()}
+        out["holdout_loss"] = loss_sum / count if count else 0.0
+        if metrics.has_confidence:
+            out["holdout_confidence_loss"] = confidence_sum / count if count else 0.0
+        return out
+
+
+class BlockMetrics:
+    """Counts behind the per-slot and per-block figures."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.hits = np.zeros(slots, np.int64)
+        self.tried = np.zeros(slots, np.int64)
+        self.alpha = np.zeros(slots)
+        self.confidence = np.zeros(slots)
+        self.kl = np.zeros(slots)
+        self.has_confidence = False
+        self.blocks = 0
+        self.accepted = 0.0  # sum over blocks of 1 + leading run of correct slots
+        self.expected = 0.0  # sum over blocks of 1 + sum_k prod_{j<=k} alpha_j
+
+    def add(self, inputs: BlockInputs, drafts, alpha, confidence, kl) -> None:
+        slot = inputs.slot
+        correct = drafts == inputs.target_argmax
+        np.add.at(self.hits, slot, correct)
+        np.add.at(self.tried, slot, 1)
+        np.add.at(self.alpha, slot, alpha)
+        np.add.at(self.kl, slot, kl)
+        if confidence is not None:
+            self.has_confidence = True
+            np.add.at(self.confidence, slot, confidence)
+        present = np.zeros((inputs.blocks, self.slots), bool)
+        grid_correct = np.zeros((inputs.blocks, self.slots), bool)
+        grid_alpha = np.zeros((inputs.blocks, self.slots))
+        present[inputs.block, slot] = True
+        grid_correct[inputs.block, slot] = correct
+        grid_alpha[inputs.block, slot] = alpha
+        real = present.any(axis=1)
+        self.blocks += int(real.sum())
+        self.accepted += float((np.cumprod(grid_correct[real], axis=1).sum(1) + 1).sum())
+        self.expected += float((np.cumprod(grid_alpha[real], axis=1).sum(1) + 1).sum())
+
+    def merge(self, other: BlockMetrics) -> None:
+        for name in ("hits", "tried", "alpha", "confidence", "kl"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.has_confidence |= other.has_confidence
+        self.blocks += other.blocks
+        self.accepted += other.accepted
+        self.expected += other.expected
+
+    def summary(self) -> dict[str, Any]:
+        tried = np.maximum(self.tried, 1)
+        rows = max(int(self.tried.sum()), 1)
+        out: dict[str, Any] = {
+            "accuracy": [round(float(x), 6) for x in self.hits / tried],
+            "acceptance_length": round(self.accepted / self.blocks, 6) if self.blocks else 0.0,
+            "expected_acceptance_length": round(self.expected / self.blocks, 6)
+            if self.blocks
+            else 0.0,
+            "alpha": [round(float(x), 6) for x in self.alpha / tried],
+            "alpha_mean": round(float(self.alpha.sum() / rows), 6),
+            "kl_by_slot": [round(float(x), 6) for x in self.kl / tried],
+            "blocks": self.blocks,
+            "rows_by_slot": [int(x) for x in self.tried],
+        }
+        if self.has_confidence:
+            out["confidence"] = [round(float(x), 6) for x in self.confidence / tried]
+            out["confidence_mean"] = round(float(self.confidence.sum() / rows), 6)
+        return out
+
+
+HOLDOUT_DEFINITIONS = {
+    "accuracy": (
+        "by draft slot: share of hold-out blocks whose slot's argmax (a target id) equals the"
+        " target's full-vocabulary argmax at the position it predicts, Markov head fed the"
+        " ground-truth previous token"
+    ),
+    "acceptance_length": (
+        "mean over hold-out blocks of 1 + the leading run of correct slots: the tokens one"
+        " greedy round emits (the greedy distilled answer is the drafts while they are correct)"
+    ),
+    "expected_acceptance_length": (
+        "mean over hold-out blocks of 1 + sum_k prod_{j<=k} alpha_j: the same under rejection"
+        " sampling at temperature 1"
+    ),
+    "alpha": "by draft slot: mean sum_v min(p_v, q_v) = 1 - TV(target, draft)",
+    "confidence": "by draft slot: the confidence head's mean estimate (trained towards alpha)",
+    "anchors": "up to --anchors evenly spaced anchors per hold-out sample, from the first answer"
+    " token on",
+}
+
+
+class BlockRun:
+    """One training run's block drafter: spec, module, trainer and its hold-out batches."""
+
+    def __init__(self, opts, runner, taps, head_ids, draft_vocab, init, arrays, holdout_entries):
+        from woodcock.train.block_model import (
+            build_block_model,
+            build_block_spec,
+            mask_token_id,
+        )
+        from woodcock.train.model import start_from
+
+        self.opts, self.arrays, self.holdout = opts, arrays, holdout_entries
+        mask = init.spec.algorithm.mask_token_id if init is not None else None
+        if mask is None:
+            mask = mask_token_id(runner.tokenizer, runner.vocab_size)
+        self.spec = build_block_spec(runner, opts.target, taps, draft_vocab, opts, mask)
+        head_rows = runner.head if head_ids is None else runner.head[head_ids]
+        self.model = build_block_model(
+            self.spec, runner.embedding, head_rows, runner.final_norm_weight(), opts.seed
+        )
+        if init is not None:
+            start_from(self.model, init, self.spec, opts.init)
+        self.trainer = BlockTrainer(self.model, self.spec, head_ids, runner.head, opts)
+        self.optimizer = self.trainer.optimizer
+        algorithm = self.spec.algorithm
+        self.name = (
+            f"woodcock train (block recipe: {algorithm.name}, speculators 0.9.0 anchored blocks,"
+            " KL to the target's soft labels, exp(-k/gamma) slot weights"
+            + (", confidence BCE" if getattr(algorithm, "confidence_head", False) else "")
+            + ")"
+        )
+
+    def train_step(self, entries, step: int) -> tuple[int, dict[str, Any]]:
+        batch = make_batch(self.arrays, entries, 0)
+        anchors = train_anchors(
+            batch, self.opts.anchors, self.spec.algorithm.block_size, self.opts.seed, step
+        )
+        return batch.tokens_in, self.trainer.train_step(self.trainer.inputs(batch, anchors))
+
+    def evaluate(self) -> dict[str, Any]:
+        size = self.spec.algorithm.block_size
+
+        def batches():
+            for batch in eval_batches(self.arrays, self.holdout, 0, tokens=2048):
+                yield batch, spread_anchors(batch, self.opts.anchors, size)
+
+        return self.trainer.evaluate(batches())
+
+    def record(self, report, initial: dict, last: dict) -> dict[str, Any]:
+        report.holdout, report.holdout_initial = last, initial
+        strip = {k.removeprefix("holdout_"): v for k, v in last.items()}
+        return {
+            "holdout": strip,
+            "holdout_initial": {k.removeprefix("holdout_"): v for k, v in initial.items()},
+            "holdout_definition": HOLDOUT_DEFINITIONS,
+        }
