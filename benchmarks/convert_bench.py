@@ -180,7 +180,7 @@ def directory_bytes(path: Path) -> int:
 
 
 def run_case(name: str, workdir: Path, runs: int) -> list[dict]:
-    from woodcock.formats import woodcock as native
+    from woodcock.formats import native
     from woodcock.ir import Drafter, VocabMap
     from woodcock.synthetic import random_weights
 

@@ -8,13 +8,13 @@ from types import ModuleType
 from woodcock.errors import DrafterError
 from woodcock.formats import (
     deepspec,
+    native,
     safeailab,
     specforge,
     specforge_dspark,
     speculators,
     zlab_dflash,
 )
-from woodcock.formats import woodcock as native
 
 # Most specific first; each signature excludes the ones before it (tests check that every
 # format's checkpoints are detected as that format and no other).

@@ -24,7 +24,7 @@ import pytest
 
 from woodcock import doctor
 from woodcock.demo import bigram_drafter, write_tiny_target
-from woodcock.formats import woodcock as native
+from woodcock.formats import native
 from woodcock.ir import Drafter, Fusion, Head, Taps, VocabMap, Weights
 from woodcock.tensorfile import read_safetensors
 

@@ -7,7 +7,7 @@ from helpers import run_cli
 from test_doctor import BREAKAGES, _correct_drafter, _write_layered_target
 
 from woodcock.cli import app
-from woodcock.formats import woodcock as native
+from woodcock.formats import native
 
 pytestmark = pytest.mark.skipif(
     "doctor"

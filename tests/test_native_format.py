@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from strategies import specs
 
 from woodcock.errors import DrafterError
-from woodcock.formats import woodcock as native
+from woodcock.formats import native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.loading import load_drafter, save_drafter
 from woodcock.synthetic import random_drafter, tiny_spec

@@ -25,9 +25,9 @@ def test_folders_do_not_import_as_top_level_packages(name, cwd):
 
 def test_folders_import_under_woodcock():
     import woodcock.converters.layer_ids
-    import woodcock.formats.woodcock
+    import woodcock.formats.native
 
-    assert woodcock.formats.woodcock.NAME == "woodcock"
+    assert woodcock.formats.native.NAME == "woodcock"
     assert woodcock.converters.layer_ids.OFFSETS["layer_output"] == 1
 
 

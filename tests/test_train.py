@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 
 from woodcock.demo import CORPUS, write_tiny_target
 from woodcock.errors import DrafterError
-from woodcock.formats import woodcock as native
+from woodcock.formats import native
 from woodcock.loading import load_drafter
 from woodcock.provenance import content_sha256
 from woodcock.runtime.decode import Stats, generate_tokens

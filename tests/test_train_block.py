@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from woodcock.conversion import convert
 from woodcock.demo import CORPUS, write_tiny_target
 from woodcock.errors import DrafterError
-from woodcock.formats import woodcock as native
+from woodcock.formats import native
 from woodcock.ir import Drafter, VocabMap
 from woodcock.loading import load_drafter_with_format
 from woodcock.runtime.block import BlockDrafter

@@ -17,8 +17,7 @@ from woodcock.converters.vocab import (
     truncate,
 )
 from woodcock.errors import DrafterError
-from woodcock.formats import woodcock as native
-from woodcock.formats import zlab_dflash
+from woodcock.formats import native, zlab_dflash
 from woodcock.ir import Drafter, Head, VocabCounts
 from woodcock.loading import load_drafter
 from woodcock.reference import TorchDrafter

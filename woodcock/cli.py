@@ -566,7 +566,7 @@ def demo(
     drafter that mostly agrees with it, to try `woodcock generate` without any download."""
     from woodcock.converters.target import rename_target
     from woodcock.demo import bigram_drafter, write_tiny_target
-    from woodcock.formats import woodcock as native
+    from woodcock.formats import native
     from woodcock.staging import staged_directory
 
     with staged_directory(dest, force=force) as out:

@@ -98,7 +98,7 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     import mlx.core as mx
 
-    from woodcock.formats import woodcock as native
+    from woodcock.formats import native
     from woodcock.ir import Drafter, VocabCounts, VocabMap
 
     opts.check()
