@@ -41,8 +41,8 @@ MB = 1024 * 1024
 CHILD_CONVERT = """
 import json, sys, time
 from woodcock.cli import main
-import woodcock.converters.dtype, woodcock.converters.target, woodcock.converters.vocab
-import woodcock.formats.detect, woodcock.loading, woodcock.target_files  # what convert imports
+import woodcock.converters.dtype, woodcock.converters.target_binding, woodcock.converters.vocab
+import woodcock.formats.detect, woodcock.loading, woodcock.target_checkpoint  # what convert imports
 import typer._adapters  # what typer imports when it parses options (pydantic, when installed)
 start = time.perf_counter()
 try:

@@ -15,7 +15,7 @@ from woodcock.reference import TorchDrafter, TorchTarget
 from woodcock.reference.layers import DecoderLayer as TorchLayer
 from woodcock.reference.layers import inverse_frequencies, rms_norm
 from woodcock.synthetic import random_drafter, tiny_spec
-from woodcock.target_files import load_target_tensors
+from woodcock.target_checkpoint import load_target_tensors
 
 V, H, A = 96, 32, 3  # tiny_spec's target vocab, hidden size, number of taps
 REDUCED = 48

@@ -10,7 +10,8 @@ from typing import Annotated
 import typer
 
 from woodcock import __version__
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, warn_slow_paths
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
+from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
@@ -180,7 +181,7 @@ def parity(
     from woodcock.loading import load_drafter
     from woodcock.runtime.parity import parity as run_parity
     from woodcock.runtime.parity import render_text
-    from woodcock.target_files import load_target_tensors
+    from woodcock.target_checkpoint import load_target_tensors
 
     drafter = load_drafter(path)
     tensors = load_target_tensors(target) if target is not None else None
@@ -214,7 +215,7 @@ def doctor(
 
     from woodcock.doctor import diagnose, render_text
 
-    target, drafter = _resolve_pair(target, drafter)
+    target, drafter = resolve_pair(target, drafter)
     with Console(stderr=True).status("doctor") as status:
         report = diagnose(
             target, drafter, taps=parse_taps(taps), progress=lambda step: status.update(step)
@@ -295,7 +296,7 @@ def generate(
 
     from woodcock.runtime.generate import encode_prompt
     from woodcock.runtime.generate import generate as run_generate
-    from woodcock.runtime.machine import machine_facts
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.sampling import Sampling
     from woodcock.runtime.session import open_session
@@ -312,7 +313,7 @@ def generate(
     sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if seed is not None:
         mx.random.seed(seed)
-    pair = _resolve_pair(target, drafter)
+    pair = resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype, lookup=lookup)
     # before any token, so that a user watching a slow stream knows why at once
     warn_slow_paths(machine_facts(session.dtype_name))
@@ -407,7 +408,7 @@ def latency(
         measure,
         write_profile,
     )
-    from woodcock.runtime.machine import machine_facts
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths
     from woodcock.runtime.session import open_session
 
     if out.exists() and not force:
@@ -420,7 +421,7 @@ def latency(
         raise DrafterError(
             f"--contexts {contexts!r}: expected comma-separated lengths of at least 1"
         )
-    target, drafter = _resolve_pair(target, drafter)
+    target, drafter = resolve_pair(target, drafter)
     session = open_session(target, drafter, dtype=dtype, many_heads=True)
     drafters = {"full": session.drafter_with_head(None)}
     for size in session.choice.head_sizes:
@@ -497,7 +498,7 @@ def bench(
 
     from woodcock.bench import render_table, run_bench, summary_rows, write_chart
     from woodcock.prompts import load_prompt_file, load_prompts
-    from woodcock.runtime.machine import machine_facts
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.session import open_session
 
@@ -506,7 +507,7 @@ def bench(
         selected = load_prompt_file(prompt_file, chosen, limit_per_domain=prompts)
     else:
         selected = load_prompts(chosen, limit_per_domain=prompts)
-    pair = _resolve_pair(target, drafter)
+    pair = resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype, lookup=lookup)
     policy = _with_latency_file(policy, session, *pair)
 
@@ -558,13 +559,83 @@ def bench(
 
 
 @app.command()
+def serve(
+    drafter: Annotated[
+        str | None,
+        typer.Option(
+            "--drafter",
+            help="Drafter (as for generate; default: the shipped drafter of the default target).",
+        ),
+    ] = None,
+    target: DefaultableTarget = None,
+    policy: Annotated[
+        str, typer.Option("--policy", help="Draft length, as for generate.")
+    ] = "auto",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: any free one).")
+    ] = 8080,
+    queue_size: Annotated[
+        int,
+        typer.Option(
+            "--queue-size",
+            min=1,
+            help="Requests that may wait behind the running one; more are answered 503 with"
+            " Retry-After.",
+        ),
+    ] = 8,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache",
+            help="Keep the cached rows of the prefix a prompt shares with the previous request"
+            " (target and drafter) instead of prefilling every prompt whole.",
+        ),
+    ] = True,
+    no_drafter: Annotated[
+        bool,
+        typer.Option("--no-drafter", help="Decode plainly with mlx-lm, without a drafter."),
+    ] = False,
+    max_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-tokens", "-m", min=1, help="Tokens per answer when a request names no limit."
+        ),
+    ] = 512,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
+    ] = None,
+    lookup: LookupOption = True,
+) -> None:
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    streamed or not, /v1/models, /health, /metrics) with speculative decoding; one request at a
+    time from a bounded queue."""
+    from woodcock.serve import serve as run_server
+
+    run_server(
+        target,
+        drafter,
+        policy,
+        host=host,
+        port=port,
+        queue_size=queue_size,
+        prefix_cache=prefix_cache,
+        lookup=lookup,
+        dtype=dtype,
+        plain=no_drafter,
+        max_tokens=max_tokens,
+    )
+
+
+@app.command()
 def demo(
     dest: Annotated[Path, typer.Argument(help="Directory to create (target/ and drafter/).")],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
 ) -> None:
     """Build a tiny offline target (an mlx-lm model with a tokenizer) and a hand-written EAGLE-3
     drafter that mostly agrees with it, to try `woodcock generate` without any download."""
-    from woodcock.converters.target import rename_target
+    from woodcock.converters.target_binding import rename_target
     from woodcock.demo import bigram_drafter, write_tiny_target
     from woodcock.formats import native
     from woodcock.staging import staged_directory
@@ -582,18 +653,6 @@ def demo(
         f"  woodcock generate --target {dest}/target --drafter {dest}/drafter"
         ' --prompt "The quick brown" --no-chat --policy fixed:4'
     )
-
-
-def _resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
-    """The default target and, for it, the shipped drafter, where the user names neither."""
-    from woodcock.default_target import DEFAULT_TARGET, resolve_target
-    from woodcock.drafters import shipped_drafter
-
-    if drafter is None:
-        if target not in (None, DEFAULT_TARGET):
-            raise DrafterError("--drafter is required with a target other than the default one")
-        drafter = str(shipped_drafter())
-    return resolve_target(target), drafter
 
 
 def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
@@ -618,8 +677,11 @@ def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from woodcock.staging import reporting_removed_leftovers
+
     try:
-        status = app(args=argv, prog_name="woodcock", standalone_mode=False)
+        with reporting_removed_leftovers(_say_removed_leftovers):
+            status = app(args=argv, prog_name="woodcock", standalone_mode=False)
     except DrafterError as e:
         if _debug:
             raise
@@ -647,6 +709,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if isinstance(status, int) and status:
         sys.exit(status)
+
+
+def _say_removed_leftovers(paths: list[Path]) -> None:
+    from woodcock.staging import leftovers_message
+
+    print(f"woodcock: {leftovers_message(paths)}", file=sys.stderr)
 
 
 def _fail(message: str, code: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
@@ -32,11 +31,3 @@ def parse_taps(text: str | None) -> tuple[int, ...] | None:
         raise DrafterError(
             f"--taps {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
         ) from None
-
-
-def warn_slow_paths(facts: dict) -> None:
-    """One `woodcock: warning:` line on stderr per slow path the machine facts show."""
-    from woodcock.runtime.machine import slow_path_warnings
-
-    for warning in slow_path_warnings(facts):
-        print(f"woodcock: warning: {warning}", file=sys.stderr)

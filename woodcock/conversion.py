@@ -54,12 +54,12 @@ def convert(
     the drafter raises a DrafterError saying why. A native source's sha256s are checked while
     the output is written, and the output is renamed into place only once they pass."""
     from woodcock.converters.dtype import cast
-    from woodcock.converters.target import attach_target, fill_shared, rename_target
+    from woodcock.converters.target_binding import attach_target, fill_shared, rename_target
     from woodcock.converters.vocab import apply_options
     from woodcock.formats.detect import format_named
     from woodcock.loading import load_drafter_with_format, resolve_source
     from woodcock.staging import checks_in_background
-    from woodcock.target_files import load_target_tensors, target_from_config
+    from woodcock.target_checkpoint import load_target_tensors, target_from_config
 
     writer = format_named(to)
     with checks_in_background():

@@ -54,6 +54,18 @@ def resolve_target(target: str | None) -> str:
     return target
 
 
+def resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
+    """(target, drafter) to run: the default target and, for it, the shipped drafter, where the
+    user names neither."""
+    if drafter is None:
+        if target not in (None, DEFAULT_TARGET):
+            raise DrafterError("--drafter is required with a target other than the default one")
+        from woodcock.drafters import shipped_drafter
+
+        drafter = str(shipped_drafter())
+    return resolve_target(target), drafter
+
+
 def cache_dir() -> Path:
     """$XDG_CACHE_HOME/woodcock, or ~/.cache/woodcock (relative or empty values are ignored,
     as the XDG spec asks)."""

@@ -78,7 +78,7 @@ def diagnose(
     loaded at all."""
     from woodcock.loading import load_drafter_with_format, resolve_source
     from woodcock.runtime.generate import encode_prompt
-    from woodcock.target_files import load_mlx_target
+    from woodcock.target_checkpoint import load_mlx_target
 
     say = progress or (lambda _: None)
     if target is None:

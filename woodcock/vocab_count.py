@@ -18,8 +18,6 @@ tokenizer's length (Qwen3: 151936 rows, 151669 tokens).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,6 +27,7 @@ import typer
 from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO
 from woodcock.errors import DrafterError
 from woodcock.provenance import portable_path
+from woodcock.staging import staged_file
 
 app = typer.Typer(
     name="vocab",
@@ -101,7 +100,7 @@ def count_tokens(
     import numpy as np
 
     from woodcock.converters.vocab import coverage_by_size
-    from woodcock.target_files import target_from_config
+    from woodcock.target_checkpoint import target_from_config
 
     source, target, out = Path(source), Path(target), Path(out)
     if not 0.0 <= holdout < 1.0:
@@ -163,15 +162,10 @@ def count_tokens(
 
 
 def _replace(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: whole or nothing."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    """Whole or nothing: written aside (a killed run's leftover is removed by the next run that
+    writes `path`), then renamed over it."""
+    with staged_file(path) as temporary, open(temporary, "wb") as f:
+        write(f)
 
 
 class _Tokenizer:

@@ -16,7 +16,7 @@ import pytest
 from speculators_variants import SEQ, VARIANT_NAMES, VARIANTS
 
 from woodcock.formats import speculators as speculators_format
-from woodcock.target_files import load_target_tensors
+from woodcock.target_checkpoint import load_target_tensors
 from woodcock.tensorfile import read_safetensors
 
 pytestmark = [

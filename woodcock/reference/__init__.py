@@ -8,6 +8,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("woodcock.reference needs PyTorch: pip install -e '.[torch]'") from e
 
 from woodcock.reference.drafter import DraftOutput, DraftResult, KVCache, TorchDrafter
-from woodcock.reference.target import TorchTarget
+from woodcock.reference.torch_target import TorchTarget
 
 __all__ = ["DraftOutput", "DraftResult", "KVCache", "TorchDrafter", "TorchTarget"]

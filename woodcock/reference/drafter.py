@@ -21,7 +21,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import DecoderLayer as LayerSpec
 from woodcock.ir import DFlash, Drafter, DSpark, Eagle3
 from woodcock.reference.layers import DecoderLayer, RMSNorm
-from woodcock.target_files import drafter_arrays
+from woodcock.target_checkpoint import drafter_arrays
 
 Tensor = torch.Tensor
 
@@ -100,7 +100,7 @@ class TorchDrafter(nn.Module):
     """A `Drafter` as a torch module whose state_dict keys are the canonical tensor names.
 
     target_tensors: {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} of the target
-    (`woodcock.target_files.load_target_tensors`), needed when the spec's head shares either.
+    (`woodcock.target_checkpoint.load_target_tensors`), needed when the spec's head shares either.
     """
 
     def __init__(

@@ -33,7 +33,7 @@ from woodcock.runtime.layers import (
     to_mx,
     transpose_linears,
 )
-from woodcock.target_files import drafter_arrays
+from woodcock.target_checkpoint import drafter_arrays
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -97,7 +97,7 @@ class BlockDrafter:
     `add_context` and `propose` (the loop's `Drafter` protocol).
 
     target_tensors: {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} of the target
-    (`woodcock.target_files.load_target_tensors`), needed when the spec's head shares either;
+    (`woodcock.target_checkpoint.load_target_tensors`), needed when the spec's head shares either;
     a shared head keeps the target's rows of the draft vocabulary (`drafter.vocab`).
     """
 
@@ -185,6 +185,19 @@ class BlockDrafter:
         self._length = 0  # context rows cached = the anchor's position p
         self._anchor: mx.array | None = None
         self.last_confidence: mx.array | None = None
+
+    def trim(self, rows: int) -> None:
+        """Keep the first `rows` cached context rows (those a new prompt shares with the
+        positions added since `reset()`); the next add_context brings the anchor."""
+        if not 0 <= rows <= self._length:
+            raise DrafterError(
+                f"trim: rows = {rows}: expected at most the {self._length} context rows cached"
+            )
+        for cache in self._caches:
+            cache.trim(rows)
+        self._length = rows
+        self._anchor = None
+        self.last_confidence = None
 
     @property
     def context_length(self) -> int:

@@ -9,7 +9,7 @@ states are exactly the drafter's next context.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +24,9 @@ from woodcock.runtime.target import MlxTarget
 PREFILL_CHUNK = 512
 GREEDY = Sampling()
 NO_DRAFTS = (mx.zeros((0,), mx.int32), mx.zeros((0, 0)))  # tokens [0], logits [0, Vh]
+# A lazy array belongs to the stream of the thread that made it: evaluated now, the constant
+# can be used by a loop running in any thread (a server generates in a worker thread).
+mx.eval(NO_DRAFTS)
 
 
 class RuntimeDrafter(Protocol):
@@ -35,12 +38,15 @@ class RuntimeDrafter(Protocol):
 
     def propose(self, k: int, sampler) -> tuple[mx.array, mx.array]: ...
 
+    def trim(self, rows: int) -> None: ...  # keep the first `rows` context rows
+
 
 @dataclass
 class Stats:
     """Per-round counts and timings of one generation."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose rows an earlier generation left in the caches
     prompt_seconds: float = 0.0
     drafted: list[int] = field(default_factory=list)  # K of each round
     accepted: list[int] = field(default_factory=list)  # accepted drafts of each round
@@ -105,30 +111,60 @@ def speculative_generate_step(
     sampling: Sampling = GREEDY,
     stats: Stats | None = None,
     lookup: PromptLookup | None = None,
+    cached: int = 0,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. Draft
     length: num_draft (fixed), or a policy from woodcock.runtime.policy. lookup: rounds whose
     recent tokens repeat copy from the context instead, as far as the policy's `copy_length`
     says, and drafts that close a repeat are followed by a copy as far as its
-    `extension_length` says."""
+    `extension_length` says.
+
+    cached: the first `cached` prompt tokens are those an earlier call over the same target and
+    drafter began its stream with, and their rows are still in both caches (the target's keys
+    and values, the drafter's context rows, which read the token after each position): they
+    are kept and only the rest of the prompt is prefilled (0: start from empty caches; a
+    rotating cache that cannot drop the rest falls back to 0). cancelled: asked between prefill
+    chunks and before every round; when it returns True the stream ends (cut short in the
+    prefill, it leaves both caches empty)."""
     if (num_draft is None) == (policy is None):
         raise ValueError("give exactly one of num_draft and policy")
+    if not 0 <= cached < len(prompt) or cached > target.offset:
+        raise ValueError(
+            f"cached = {cached}: expected fewer than the prompt's {len(prompt)} tokens and at"
+            f" most the {target.offset} in the target's cache"
+        )
     policy = policy or FixedPolicy(num_draft)
     stats = stats if stats is not None else Stats()
-    target.reset()
-    drafter.reset()
+    cached = cached if cached and target.truncate(cached) else 0
+    if cached:
+        drafter.trim(cached)
+    else:
+        target.reset()
+        drafter.reset()
     start = time.perf_counter()
-    logits, taps = _prefill(target, mx.array(prompt))  # [V], [P, A*Ht]
+    prefilled = _prefill(target, mx.array(prompt[cached:]), cancelled)  # [V], [P - c, A*Ht]
+    if prefilled is None:
+        target.reset()
+        drafter.reset()
+        return
+    logits, taps = prefilled
     anchor = sampling.sample(logits)
-    context_tokens = mx.concatenate([mx.array(prompt[1:], mx.int32), anchor[None]])
+    context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
     drafter.add_context(context_tokens, taps)
     mx.eval(anchor)
     if lookup is not None:
-        lookup.reset()
+        if cached:
+            lookup.trim(cached)
+        else:
+            lookup.reset()
         lookup.add_context(context_tokens)
     stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
+    stats.cached_tokens = cached
     yield anchor.item(), False
     while True:
+        if cancelled is not None and cancelled():
+            return
         context = target.offset + 1
         start = time.perf_counter()
         drafts, draft_logits = NO_DRAFTS  # a plain decoding step unless the policy drafts
@@ -208,10 +244,15 @@ def _verified_prefix(
     return drafts[:keep], logits[:keep]
 
 
-def _prefill(target: MlxTarget, prompt: mx.array) -> tuple[mx.array, mx.array]:
-    """Run the prompt through the target in chunks: (last logits [V], taps [P, A*Ht])."""
+def _prefill(
+    target: MlxTarget, prompt: mx.array, cancelled: Callable[[], bool] | None = None
+) -> tuple[mx.array, mx.array] | None:
+    """Run the prompt through the target in chunks: (last logits [V], taps [P, A*Ht]), or None
+    when `cancelled` says so before a chunk."""
     taps = []
     for start in range(0, prompt.shape[0], PREFILL_CHUNK):
+        if cancelled is not None and cancelled():
+            return None
         logits, chunk_taps = target.forward(prompt[start : start + PREFILL_CHUNK])
         mx.eval(logits, chunk_taps)
         taps.append(chunk_taps)

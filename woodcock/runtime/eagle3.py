@@ -21,7 +21,7 @@ import numpy as np
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec, Eagle3
 from woodcock.runtime.layers import DecoderLayer, KVCache, RMSNorm, to_mx, transpose_linears
-from woodcock.target_files import drafter_arrays
+from woodcock.target_checkpoint import drafter_arrays
 
 
 class Eagle3Model(nn.Module):
@@ -140,7 +140,7 @@ class Eagle3Drafter:
     """An EAGLE-3 drafter with its own KV cache, driven by `add_context` and `propose`.
 
     target_tensors: {"embed_tokens.weight": [V, H], "lm_head.weight": [V, H]} of the target
-    (`woodcock.target_files.load_target_tensors`), needed when the spec's head shares either.
+    (`woodcock.target_checkpoint.load_target_tensors`), needed when the spec's head shares either.
     head_ids: sorted draft-row indices the lm_head keeps (a truncated head: fewer rows, cheaper
     steps); None keeps all rows.
     """
@@ -186,6 +186,25 @@ class Eagle3Drafter:
     def _drop_chain(self) -> None:
         for cache in self._caches:
             cache.trim(self._context)
+
+    def trim(self, rows: int) -> None:
+        """Keep the first `rows` context rows (those a new prompt shares with the tokens added
+        since `reset()`), as if only they had been added; the next add_context follows them."""
+        pending = [t.shape[0] for t, _ in self._pending]
+        if not 0 <= rows <= self._context + sum(pending):
+            raise DrafterError(
+                f"trim: rows = {rows}: expected at most the {self._context + sum(pending)}"
+                " context rows added"
+            )
+        if rows <= self._context:
+            self._context, self._pending = rows, []
+        elif self._pending:  # rows not run yet: keep the first of them pending
+            keep = rows - self._context
+            tokens = mx.concatenate([t for t, _ in self._pending])[:keep]
+            taps = mx.concatenate([g for _, g in self._pending])[:keep]
+            self._pending = [(tokens, taps)]
+        self._drop_chain()
+        self._first = None
 
     def add_context(self, tokens: Sequence[int] | mx.array, taps: mx.array) -> None:
         """n context rows at the next positions: row i is token tokens[i] (a target id) with

@@ -17,12 +17,18 @@ def encode_prompt(
     tokenizer, prompt: str, *, chat: bool = True, system: str | None = None
 ) -> list[int]:
     """As mlx_lm.generate does: the chat template when asked for and present, then encode."""
-    use_template = chat and tokenizer.has_chat_template
-    if use_template:
+    if chat and tokenizer.has_chat_template:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(prompt, add_special_tokens=not use_template))
+        return encode_messages(tokenizer, messages)
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """A conversation ({"role", "content"} dicts, oldest first) through the chat template, with
+    the prompt for the assistant's next turn; the template writes any special tokens itself."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass
@@ -95,9 +101,12 @@ def generate(
     sampling: Sampling,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
+    cached: int = 0,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Generation:
+    """cached, cancelled: as for `speculative_generate_step` (a cancelled generation ends with
+    the text so far)."""
     stats = Stats()
-    mx.reset_peak_memory()
     steps = speculative_generate_step(
         prompt_ids,
         session.target,
@@ -106,23 +115,47 @@ def generate(
         sampling=sampling,
         stats=stats,
         lookup=session.lookup,
+        cached=cached,
+        cancelled=cancelled,
     )
+    result = timed_text(
+        (token for token, _ in steps),
+        session.tokenizer,
+        prompt_tokens=len(prompt_ids),
+        max_tokens=max_tokens,
+        stop=stop,
+        on_text=on_text,
+    )
+    result.stats = stats
+    return result
+
+
+def timed_text(
+    tokens: Iterable[int],
+    tokenizer,
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    """`finish_text` over a lazy token stream whose first token comes once the prompt has been
+    processed, with the prompt's and the generation's times and the peak memory."""
+    mx.reset_peak_memory()
     start = time.perf_counter()
     first_token_at = [0.0]
 
-    def tokens():
-        for i, (token, _) in enumerate(steps):
+    def timed():
+        for i, token in enumerate(tokens):
             if i == 0:
                 first_token_at[0] = time.perf_counter()
             yield token
 
-    result = finish_text(
-        tokens(), session.tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text
-    )
+    result = finish_text(timed(), tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text)
     end = time.perf_counter()
-    result.prompt_tokens = len(prompt_ids)
-    result.prompt_seconds = first_token_at[0] - start
-    result.generation_seconds = end - first_token_at[0]
+    result.prompt_tokens = prompt_tokens
+    if first_token_at[0]:
+        result.prompt_seconds = first_token_at[0] - start
+        result.generation_seconds = end - first_token_at[0]
     result.peak_memory_gb = mx.get_peak_memory() / 1e9
-    result.stats = stats
     return result

@@ -107,6 +107,12 @@ def slow_path_warnings(facts: dict) -> list[str]:
 # -- pieces ----------------------------------------------------------------------------------
 
 
+def warn_slow_paths(facts: dict) -> None:
+    """One `woodcock: warning:` line on stderr per slow path the machine facts show."""
+    for warning in slow_path_warnings(facts):
+        print(f"woodcock: warning: {warning}", file=sys.stderr)
+
+
 def cpu_model() -> str | None:
     system = platform.system()
     if system == "Linux":

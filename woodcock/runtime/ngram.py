@@ -63,6 +63,16 @@ class NgramDrafter:
         self._follower: dict[tuple[int, ...], int] = {}
         self.last_match = 0  # length of the n-gram the last proposal copied after (0: none)
 
+    def trim(self, rows: int) -> None:
+        """Keep the first `rows` tokens of the history, as if only they had been added."""
+        if not 0 <= rows <= len(self.history):
+            raise DrafterError(
+                f"trim: rows = {rows}: expected at most the {len(self.history)} tokens added"
+            )
+        kept = self.history[:rows]
+        self.reset()
+        self.add_context(kept)
+
     def add_context(self, tokens: mx.array | Sequence[int], taps: mx.array | None = None) -> None:
         """Append accepted tokens [n] to the history; taps (the target's hidden states) are
         ignored and may be None."""

@@ -13,7 +13,7 @@ from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec
 from woodcock.loading import load_drafter_with_format, resolve_source
 from woodcock.runtime.target import MlxTarget
-from woodcock.target_files import load_mlx_target
+from woodcock.target_checkpoint import load_mlx_target
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -13,7 +13,13 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DrafterSpec
@@ -40,6 +46,14 @@ class _Recorder:
         return getattr(self.layer, name)
 
 
+def _rollback_cache(model: nn.Module) -> list:
+    """mlx-lm's cache for the model, with every rotating (sliding-window) layer cache replaced by
+    a plain one: a rotating cache that has wrapped cannot drop rejected tokens, and the window
+    is applied by the attention mask, not by the cache, so the output is the same (the sliding
+    layers then keep every key, at the memory of a full layer)."""
+    return [KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)]
+
+
 class MlxTarget:
     """model: an mlx-lm model (`mlx_lm.load`), layer_ids: canonical tap ids (residual stream after
     L decoder layers; L = 0 the embedding output, L = N the last layer's output before the final
@@ -57,7 +71,7 @@ class MlxTarget:
             )
         self.layer_ids = tuple(layer_ids)
         self._kernel_swaps = kernel_swaps(model)
-        self.cache = make_prompt_cache(model)
+        self.cache = _rollback_cache(model)
         if not can_trim_prompt_cache(self.cache):
             kinds = sorted({type(c).__name__ for c in self.cache})
             raise DrafterError(
@@ -71,7 +85,7 @@ class MlxTarget:
         return self.cache[0].offset
 
     def reset(self) -> None:
-        self.cache = make_prompt_cache(self.model)
+        self.cache = _rollback_cache(self.model)
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[list[_Recorder]]:
@@ -98,6 +112,20 @@ class MlxTarget:
         if not states:  # a drafter that reads no hidden states (n-gram)
             return logits[0], mx.zeros((tokens.shape[0], 0))
         return logits[0], mx.concatenate([s[0] for s in states], axis=-1)
+
+    def truncate(self, length: int) -> bool:
+        """Keep the first `length` cached tokens (a prefix the next prompt shares), drop the
+        rest. False, with the cache emptied, where a rotating cache that has wrapped around
+        cannot drop them."""
+        if not 0 <= length <= self.offset:
+            raise DrafterError(
+                f"{self.name}: cannot keep {length} tokens of a cache holding {self.offset}"
+            )
+        dropped = self.offset - length
+        if dropped and trim_prompt_cache(self.cache, dropped) != dropped:
+            self.reset()
+            return False
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and trim_prompt_cache(self.cache, num_tokens) != num_tokens:

@@ -8,13 +8,13 @@ from typing import Annotated
 
 import typer
 
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps, warn_slow_paths
+from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _warn_slow_paths() -> None:
-    from woodcock.runtime.machine import machine_facts
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths
 
     warn_slow_paths(machine_facts("float32"))
 

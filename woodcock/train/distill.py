@@ -27,7 +27,7 @@ from pathlib import Path
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.provenance import identity, portable_path
-from woodcock.target_files import load_mlx_target
+from woodcock.target_checkpoint import load_mlx_target
 
 ANSWERS = "answers.jsonl"
 META = "distill.json"
@@ -192,7 +192,11 @@ def distill(
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls have no BLAS path on CPU
     meta["eos_ids"] = sorted(int(t) for t in tokenizer.eos_token_ids)
-    write_json(meta_path, meta)
+    # Through a temporary file: a run killed while writing must not leave a torn distill.json,
+    # which would stop every later run from resuming.
+    partial_meta = out / f".{META}.partial"
+    write_json(partial_meta, meta)
+    os.replace(partial_meta, meta_path)
     if progress:
         progress(report.skipped, report.prompts)
     if not pending:

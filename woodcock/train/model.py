@@ -57,7 +57,7 @@ def layer_like_target(runner: TargetRunner, **fields):
 
 def target_facts(runner: TargetRunner, target: str):
     from woodcock.ir import Target
-    from woodcock.target_files import target_from_config
+    from woodcock.target_checkpoint import target_from_config
 
     return Target(
         num_hidden_layers=runner.num_layers,

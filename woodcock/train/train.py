@@ -127,7 +127,7 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
 
     # The target (its embedding and head rows are needed even when every feature is cached)
     started = time.perf_counter()
-    from woodcock.target_files import target_from_config
+    from woodcock.target_checkpoint import target_from_config
 
     num_layers = target_from_config(opts.target).num_hidden_layers
     init, init_record = load_init(opts) if opts.init is not None else (None, None)

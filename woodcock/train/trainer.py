@@ -308,4 +308,7 @@ def trim_log(path: Path, step: int) -> None:
             continue
         if entry.get("step", 0) <= step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    # Through a temporary file: a run killed while rewriting must not lose the log.
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(partial, path)

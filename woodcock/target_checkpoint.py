@@ -73,7 +73,7 @@ def drafter_arrays(
         if target_tensors is None or name not in target_tensors:
             raise DrafterError(
                 f"target_tensors[{name!r}] missing: the drafter's {part} is shared with the"
-                " target; pass woodcock.target_files.load_target_tensors(target_dir) (--target)"
+                " target; pass load_target_tensors(target_dir) (--target)"
             )
         if tuple(target_tensors[name].shape) != shape:
             raise DrafterError(

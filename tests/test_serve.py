@@ -1,0 +1,518 @@
+"""`woodcock serve` over loopback: the official openai client against a real server process on
+the offline demo pair, greedy answers equal to `woodcock generate` and to plain mlx-lm, the
+queue, cancellation, the prompt cache, and the bad-request table; the loop's prefix reuse and
+cancellation hook on every kind of drafter."""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_targets import tiny_target
+
+from woodcock.errors import DrafterError
+from woodcock.runtime.decode import Stats, speculative_generate_step
+from woodcock.runtime.generate import encode_messages, encode_prompt, generate
+from woodcock.runtime.policy import FixedPolicy
+from woodcock.runtime.sampling import Sampling
+
+CONTEXT = 1024  # the demo target's context, made small enough to exceed in a test
+TIMEOUT = 30.0  # seconds any one HTTP exchange may take
+PROMPTS = [
+    "The quick brown",
+    "Paris is",
+    "One, two",
+    "def add(a, b):",
+    "Small models",
+    "A drafter reads",
+    "Speculative decoding",
+    "Berlin is the",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from woodcock.demo import bigram_drafter, write_tiny_target
+    from woodcock.formats import native
+
+    root = tmp_path_factory.mktemp("serve")
+    write_tiny_target(root / "target")
+    config_file = root / "target" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    native.write(bigram_drafter(root / "target"), root / "drafter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def session(demo):
+    from woodcock.runtime.session import open_session
+
+    return open_session(str(demo / "target"), str(demo / "drafter"))
+
+
+class Server:
+    def __init__(self, demo: Path, log: Path, **options):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(demo / "target")
+        options = {"port": self.port, "log_level": "warning", **options}
+        plain = options.get("plain", False)
+        drafter = None if plain else str(demo / "drafter")
+        code = (
+            "from woodcock.serve import serve;"
+            f" serve({self.model!r}, {drafter!r}, 'fixed:4', **{options!r})"
+        )
+        # the same BLAS as this test process, so that greedy ties break the same way
+        env = {**os.environ, "WOODCOCK_OPENBLAS": "0", "XDG_CACHE_HOME": str(log.parent / "xdg")}
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"the server exited: {log.read_text()}")
+            try:
+                if request(self, "GET", "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"the server did not start: {log.read_text()}")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+        )
+
+    def metric(self, name: str) -> float:
+        _, _, text = request(self, "GET", "/metrics")
+        return sum(
+            float(line.split()[-1])
+            for line in text.decode().splitlines()
+            if line.startswith(f"woodcock_{name}_total")
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def request(server, method, path, body=None, *, timeout=TIMEOUT):
+    """(status, headers, body bytes); body: a dict (sent as JSON), bytes, or None."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict | list) else body
+        connection.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="module")
+def server(demo, tmp_path_factory):
+    running = Server(demo, tmp_path_factory.mktemp("logs") / "server.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(demo, tmp_path_factory):
+    """mlx-lm decoding without a drafter, a queue of two, no prompt cache."""
+    log = tmp_path_factory.mktemp("logs") / "plain.log"
+    running = Server(demo, log, plain=True, queue_size=2, prefix_cache=False)
+    yield running
+    running.stop()
+
+
+def woodcock_text(session, ids, max_tokens):
+    policy = FixedPolicy(4)
+    return generate(session, ids, max_tokens=max_tokens, policy=policy, sampling=Sampling()).text
+
+
+def mlx_lm_text(session, ids, max_tokens):
+    detokenizer = session.tokenizer.detokenizer
+    detokenizer.reset()
+    for token, _ in generate_step(mx.array(ids), session.model, max_tokens=max_tokens):
+        if token in session.tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def chat(server, messages, max_tokens=24, **fields):
+    return server.client().chat.completions.create(
+        model=server.model, messages=messages, max_tokens=max_tokens, temperature=0, **fields
+    )
+
+
+def streamed_chat(server, messages, max_tokens=24):
+    """(text, finish reason, usage dict) of a streamed chat answer."""
+    chunks = chat(server, messages, max_tokens, stream=True, stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def test_answers_are_the_targets_greedy_text_streamed_or_not(server, session):
+    messages = [{"role": "user", "content": "The quick brown"}]
+    ids = encode_prompt(session.tokenizer, "The quick brown", chat=True)
+    expected = woodcock_text(session, ids, 24)
+    assert expected == mlx_lm_text(session, ids, 24) and expected
+    answer = chat(server, messages)
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == "length" and answer.model == server.model
+    usage = answer.usage.model_dump()
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 24)
+    assert usage["total_tokens"] == len(ids) + 24
+    speculative = usage["speculative"]
+    assert speculative["rounds"] >= 1 and speculative["tokens_per_round"] > 1
+    assert speculative["accepted_tokens"] <= speculative["drafted_tokens"]
+    assert len(speculative["acceptance_by_position"]) == 4
+    assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == speculative["accepted_tokens"]
+    text, finish, streamed_usage = streamed_chat(server, messages)
+    assert (text, finish) == (expected, "length")
+    assert streamed_usage["completion_tokens"] == 24 and "speculative" in streamed_usage
+
+    plain_ids = encode_prompt(session.tokenizer, "Paris is", chat=False)
+    expected = woodcock_text(session, plain_ids, 20)
+    assert expected == mlx_lm_text(session, plain_ids, 20)
+    client = server.client()
+    completion = client.completions.create(model=server.model, prompt="Paris is", max_tokens=20, temperature=0)
+    assert completion.choices[0].text == expected
+    assert completion.usage.prompt_tokens == len(plain_ids)
+    by_ids = client.completions.create(model=server.model, prompt=plain_ids, max_tokens=20)
+    assert by_ids.choices[0].text == expected
+    chunks = client.completions.create(model=server.model, prompt="Paris is", max_tokens=20, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_stop_strings_seeds_and_sampling(server, session):
+    ids = encode_prompt(session.tokenizer, "The quick brown", chat=False)
+    full = woodcock_text(session, ids, 40)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    client = server.client()
+    for stream in (False, True):
+        answer = client.completions.create(
+            model=server.model, prompt="The quick brown", max_tokens=40, stop=[stop], stream=stream
+        )
+        if stream:
+            chunks = list(answer)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+        assert (text, finish) == (full[: full.index(stop)], "stop")
+    def sampled(seed):
+        return client.completions.create(
+            model=server.model, prompt="One, two", max_tokens=30, temperature=1.0, top_p=0.95, seed=seed
+        ).choices[0].text
+
+    assert sampled(3) == sampled(3)  # the seed fixes the draws, whatever ran before
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.model]
+    status, _, body = request(server, "GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    before = server.metric("completion_tokens")
+    chat(server, [{"role": "user", "content": "Paris is"}], max_tokens=7)
+    assert server.metric("completion_tokens") == before + 7
+    status, headers, text = request(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("requests", "drafted_tokens", "accepted_tokens", "rounds", "request_errors", "queue_rejections", "cancelled_requests"):
+        assert f"# TYPE woodcock_{name}_total counter" in text.decode()
+    assert server.metric("rounds") > 0 and server.metric("accepted_tokens") > 0
+
+
+def completion(server, prompt, max_tokens=24, stream=False):
+    answer = server.client().completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream
+    )
+    if stream:
+        return "".join(chunk.choices[0].text for chunk in answer if chunk.choices)
+    return answer.choices[0].text
+
+
+def test_eight_clients_at_once_each_get_their_own_answer(server):
+    # completions: a chat prompt ends in the template's assistant header, and the demo target's
+    # next token depends mostly on the last one
+    sequential = [completion(server, prompt) for prompt in PROMPTS]
+    assert len(set(sequential)) == len(PROMPTS)  # different prompts, different answers
+    answers = [None] * len(PROMPTS)
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def client(i):
+        barrier.wait()
+        answers[i] = completion(server, PROMPTS[i], stream=bool(i % 2))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert answers == sequential
+
+
+def test_a_second_turn_reuses_the_cache_and_answers_the_same(server, session):
+    first = [{"role": "user", "content": "The quick brown"}]
+    reply = chat(server, first).choices[0].message.content
+    second = first + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Paris is the capital of"},
+    ]
+    ids = encode_messages(session.tokenizer, second)
+    expected = woodcock_text(session, ids, 24)  # from empty caches
+    assert expected == mlx_lm_text(session, ids, 24)
+    answer = chat(server, second)
+    assert answer.choices[0].message.content == expected
+    first_ids = encode_messages(session.tokenizer, first)
+    cached = answer.usage.model_dump()["prompt_tokens_details"]["cached_tokens"]
+    assert len(first_ids) <= cached < len(ids)  # the first turn's prompt and part of its reply
+    text, _, usage = streamed_chat(server, second)  # the same prompt again: all but its end
+    assert text == expected and usage["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_model(server, session):
+    prompt, longest = "Paris is", CONTEXT - 16
+    client = server.client()
+    full = client.completions.create(model=server.model, prompt=prompt, max_tokens=longest)
+    assert full.choices[0].finish_reason == "length"  # it would run to the end
+    cancelled = server.metric("cancelled_requests")
+    wasted = server.metric("cancelled_completion_tokens")
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    body = {"prompt": prompt, "max_tokens": longest, "stream": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: {")
+    connection.close()
+    start = time.monotonic()
+    answer = chat(server, [{"role": "user", "content": "Paris is"}], max_tokens=8)
+    assert answer.choices[0].finish_reason == "length" and time.monotonic() - start < 10
+    assert server.metric("cancelled_requests") == cancelled + 1
+    assert server.metric("cancelled_completion_tokens") - wasted < longest // 4  # stopped early
+
+
+def test_plain_decoding_without_the_drafter_or_the_prompt_cache(plain_server, session):
+    messages = [{"role": "user", "content": "One, two"}]
+    ids = encode_messages(session.tokenizer, messages)
+    expected = mlx_lm_text(session, ids, 24)
+    for _ in range(2):
+        answer = chat(plain_server, messages)
+        assert answer.choices[0].message.content == expected
+        usage = answer.usage.model_dump()
+        assert usage["speculative"]["rounds"] == 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    models = plain_server.client().models.list().data[0].model_dump()
+    assert models["drafter"] is None and models["prefix_cache"] is False
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_recovers(plain_server, session):
+    longest = CONTEXT - 16
+    holding = http.client.HTTPConnection("127.0.0.1", plain_server.port, timeout=TIMEOUT)
+    holding.request("POST", "/v1/completions", body=json.dumps({"prompt": "Paris is", "max_tokens": longest, "stream": True}))
+    response = holding.getresponse()
+    assert response.readline().startswith(b"data: {")  # it runs; two may wait behind it
+    results = [None] * 5
+    barrier = threading.Barrier(len(results))
+
+    def client(i):
+        barrier.wait()
+        results[i] = request(plain_server, "POST", "/v1/completions", {"prompt": "Paris is", "max_tokens": 32})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    response.read()  # the held stream runs to its end
+    holding.close()
+    rejected = [r for r in results if r[0] == 503]
+    assert len(rejected) >= 1 and len(rejected) + sum(r[0] == 200 for r in results) == len(results)
+    for _, headers, body in rejected:
+        assert int(headers["retry-after"]) >= 1
+        error = json.loads(body)["error"]
+        assert error["code"] == "queue_full" and "--queue-size 2" in error["message"]
+    ids = encode_prompt(session.tokenizer, "Paris is", chat=False)
+    expected = mlx_lm_text(session, ids, 32)
+    for status, _, body in results:
+        if status == 200:
+            assert json.loads(body)["choices"][0]["text"] == expected
+    status, _, body = request(plain_server, "POST", "/v1/completions", {"prompt": "Paris is", "max_tokens": 32})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == expected
+    assert plain_server.metric("queue_rejections") == len(rejected)
+
+
+USER = [{"role": "user", "content": "Hi"}]
+BAD_REQUESTS = [
+    # (name, path, body, status, param, part of the message)
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, None, "not valid JSON"),
+    ("not an object", "/v1/completions", [1, 2], 400, None, "must be a JSON object"),
+    ("NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None, "not valid JSON"),
+    ("no messages", "/v1/chat/completions", {"max_tokens": 4}, 400, "messages", "required"),
+    ("messages a string", "/v1/chat/completions", {"messages": "Hi"}, 400, "messages", "expected a non-empty array"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "at least one"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "'robot'"),
+    ("content a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "got an integer"),
+    ("image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]", "only text parts"),
+    ("no prompt", "/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
+    ("prompt batch", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "a batch of 2 prompts"),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "token id 99999"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
+    ("zero max_completion_tokens", "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
+    ("max_tokens a string", "/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "got a string"),
+    ("negative temperature", "/v1/chat/completions", {"messages": USER, "temperature": -0.5}, 400, "temperature", "in [0, 2]"),
+    ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "in [0, 1]"),
+    ("negative top_k", "/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", ">= 0"),
+    ("min_p a boolean", "/v1/completions", {"prompt": "x", "min_p": True}, 400, "min_p", "got a boolean"),
+    ("seed a string", "/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", "expected an integer"),
+    ("n of 2", "/v1/chat/completions", {"messages": USER, "n": 2}, 400, "n", "n = 2"),
+    ("empty stop", "/v1/completions", {"prompt": "x", "stop": ["a", ""]}, 400, "stop", "empty stop"),
+    ("stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected a string or an array"),
+    ("stream a string", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "expected a boolean"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+    ("logprobs", "/v1/chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("tools", "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("unknown model", "/v1/chat/completions", {"messages": USER, "model": "gpt-4o"}, 404, "model", "'gpt-4o' does not exist"),
+    ("model a number", "/v1/completions", {"prompt": "x", "model": 7}, 400, "model", "expected a string"),
+    ("prompt past the context", "/v1/completions", {"prompt": "The quick brown fox. " * 400}, 400, "prompt", f"the model's context is {CONTEXT} tokens"),
+    ("messages past the context", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Paris is. " * 600}]}, 400, "messages", "context is"),
+    ("unknown path", "/v1/embeddings", {"input": "x"}, 404, None, "no route POST /v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param, message", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_requests_are_refused_naming_the_field(server, name, path, body, status, param, message):
+    got, _, raw = request(server, "POST", path, body)
+    error = json.loads(raw)["error"]
+    assert (got, error["param"]) == (status, param), error
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_the_server_keeps_serving_after_bad_requests(server):
+    status, _, body = request(server, "GET", "/v1/chat/completions")  # a POST route
+    assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-4o", messages=USER)
+    assert chat(server, USER, max_tokens=4).choices[0].finish_reason in ("length", "stop")
+    assert server.metric("request_errors") >= len(BAD_REQUESTS)
+
+
+def test_serve_refuses_bad_values_before_listening(demo):
+    from woodcock.serve import serve
+
+    target, drafter = str(demo / "target"), str(demo / "drafter")
+    with pytest.raises(DrafterError, match="--queue-size 0: expected at least 1"):
+        serve(target, drafter, queue_size=0)
+    with pytest.raises(DrafterError, match="--drafter is required"):
+        serve(target, None)
+    with pytest.raises(DrafterError, match="give it or --drafter, not both"):
+        serve(target, drafter, plain=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(DrafterError, match="cannot listen there"):
+            serve(target, drafter, port=taken.getsockname()[1])
+    with pytest.raises(DrafterError, match="--policy 'fixed:0'"):
+        serve(target, drafter, "fixed:0", port=0)
+
+
+# -- the loop's prefix reuse and cancellation ------------------------------------------------------
+
+
+def runtime_pair(kind):
+    """(target, drafter, lookup) on a tiny random target."""
+    from woodcock.runtime.block import BlockDrafter
+    from woodcock.runtime.eagle3 import Eagle3Drafter
+    from woodcock.runtime.ngram import NgramDrafter, PromptLookup
+    from woodcock.runtime.target import MlxTarget
+    from woodcock.synthetic import random_drafter, tiny_spec
+
+    model = tiny_target("qwen3", scale=0.5)
+    if kind == "ngram":
+        target = MlxTarget(model, ())
+        return target, NgramDrafter(target.vocab_size), None
+    if kind.startswith("eagle3"):
+        spec = tiny_spec("eagle3", hidden_size=64, vocab_size=96, target_layers=4)
+        drafter = random_drafter(spec, seed=1)
+        target = MlxTarget(model, drafter.spec.taps.layer_ids)
+        lookup = PromptLookup(96) if kind == "eagle3+lookup" else None
+        return target, Eagle3Drafter(drafter, target.shared_tensors()), lookup
+    from test_block_decode import block_spec
+
+    fields = {"block_size": 4, "num_layers": 2, "attention": "block_causal", "window": 6}
+    if kind == "dspark":
+        fields = {"block_size": 4, "markov_head_type": "gated"}
+    drafter = random_drafter(block_spec(model, kind, **fields), seed=2)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    return target, BlockDrafter(drafter, target.shared_tensors()), None
+
+
+def run_loop(target, drafter, lookup, prompt, max_tokens, *, cached=0, cancelled=None):
+    stats, tokens = Stats(), []
+    steps = speculative_generate_step(
+        prompt, target, drafter, num_draft=3, stats=stats, lookup=lookup, cached=cached, cancelled=cancelled
+    )
+    for token, _ in steps:
+        tokens.append(token)
+        if len(tokens) == max_tokens:
+            break
+    return tokens, stats
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3+lookup", "dflash", "dspark", "ngram"])
+def test_the_loop_keeps_a_shared_prefix_and_stays_exact(kind):
+    target, drafter, lookup = runtime_pair(kind)
+    first_prompt = list(range(10, 30))
+    first, _ = run_loop(target, drafter, lookup, first_prompt, 17)  # stops inside a round
+    held = (first_prompt + first)[: target.offset]
+    for follow_up in ([5, 6, 7], []):  # a next turn; the same prompt again
+        prompt = first_prompt + first[:12] + follow_up
+        common = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b), min(len(held), len(prompt)))
+        cached = min(common - 1, len(prompt) - 1)
+        reused, reused_stats = run_loop(target, drafter, lookup, prompt, 30, cached=cached)
+        assert reused_stats.cached_tokens == cached > 20
+        fresh, fresh_stats = run_loop(target, drafter, lookup, prompt, 30)
+        assert reused == fresh
+        assert reused == [t for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=30)]
+        # the drafter's state was the same: every round drafted and accepted alike
+        assert reused_stats.accepted == fresh_stats.accepted and reused_stats.copied == fresh_stats.copied
+        first, held = fresh, (prompt + fresh)[: target.offset]
+        first_prompt = prompt
+
+
+def test_a_cancelled_loop_ends_before_the_next_round():
+    target, drafter, lookup = runtime_pair("eagle3")
+    stats = Stats()
+    steps = speculative_generate_step(
+        list(range(10, 30)), target, drafter, num_draft=3, stats=stats, cancelled=lambda: stats.rounds >= 2
+    )
+    assert 3 <= len(list(steps)) <= 1 + 2 * 4 and stats.rounds == 2
+    steps = speculative_generate_step(list(range(10, 30)), target, drafter, num_draft=3, cancelled=lambda: True)
+    assert list(steps) == [] and target.offset == 0  # cut in the prefill: empty caches
+    with pytest.raises(ValueError, match="cached = 20"):
+        next(speculative_generate_step(list(range(10, 30)), target, drafter, num_draft=3, cached=20))
