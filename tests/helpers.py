@@ -54,3 +54,40 @@ def json_strings(record):
             yield from json_strings(value)
     elif isinstance(record, str):
         yield record
+
+
+def generate_tokens(
+    prompt,
+    target,
+    drafter,
+    *,
+    max_tokens: int,
+    num_draft: int | None = None,
+    policy=None,
+    sampling=None,
+    eos_ids=(),
+    stats=None,
+    lookup=None,
+) -> list[int]:
+    """Tokens as plain decoding would emit them: stop before an EOS token or at max_tokens.
+    num_draft: a fixed draft length, for `policy=FixedPolicy(num_draft)`."""
+    from woodcock.runtime.decode import GREEDY, speculative_generate_step
+    from woodcock.runtime.policy import FixedPolicy
+
+    if (num_draft is None) == (policy is None):
+        raise ValueError("give exactly one of num_draft and policy")
+    steps = speculative_generate_step(
+        prompt,
+        target,
+        drafter,
+        policy=policy or FixedPolicy(num_draft),
+        sampling=sampling or GREEDY,
+        stats=stats,
+        lookup=lookup,
+    )
+    out: list[int] = []
+    for token, _ in steps:
+        if token in eos_ids or len(out) == max_tokens:
+            break
+        out.append(token)
+    return out

@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import generate_tokens
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 from stats_helpers import chi_square_exceeds, exact_marginals
@@ -14,7 +15,7 @@ from stats_helpers import chi_square_exceeds, exact_marginals
 from woodcock.formats import speculators
 from woodcock.loading import load_drafter
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.latency import LatencyProfile, write_profile
 from woodcock.runtime.policy import ConfidencePolicy
 from woodcock.runtime.sampling import Sampling

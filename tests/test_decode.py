@@ -7,14 +7,16 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import generate_tokens
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_targets import tiny_target
 from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.errors import DrafterError
-from woodcock.runtime.decode import Stats, generate_tokens, speculative_generate_step
+from woodcock.runtime.decode import Stats, speculative_generate_step
 from woodcock.runtime.ngram import MAX_COPY, PromptLookup
+from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
 
@@ -467,7 +469,7 @@ def test_speculative_generate_step_reports_draft_provenance(model):
     prompt = PROMPTS[0]
     expected = baseline(model, prompt, 10)
     drafter = ScriptedDrafter([None] + expected, 96, lambda p: p == 3).start(prompt)
-    steps = speculative_generate_step(prompt, target, drafter, num_draft=4)
+    steps = speculative_generate_step(prompt, target, drafter, policy=FixedPolicy(4))
     provenance = [from_draft for (_, from_draft), _ in zip(steps, range(10), strict=False)]
     # first token from the prefill; round 1 accepts drafts 2 (position 3 is wrong): 1 + 1 target
     assert provenance[:5] == [False, True, False, True, True]

@@ -6,12 +6,13 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import generate_tokens
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 
 from woodcock.demo import bigram_drafter, write_tiny_target
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from helpers import generate_tokens
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 
@@ -18,7 +19,7 @@ from woodcock.ir import Drafter, Head, Taps, Target
 from woodcock.loading import load_drafter
 from woodcock.reference import TorchDrafter
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.parity import block_parity
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec

@@ -3,13 +3,14 @@ reference, and the speculative loop with it emitting exactly mlx-lm's greedy out
 
 import mlx.core as mx
 import pytest
+from helpers import generate_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 
 from woodcock.errors import DrafterError
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.ngram import NgramDrafter, PromptLookup
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget

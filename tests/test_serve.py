@@ -475,7 +475,7 @@ def runtime_pair(kind):
 def run_loop(target, drafter, lookup, prompt, max_tokens, *, cached=0, cancelled=None):
     stats, tokens = Stats(), []
     steps = speculative_generate_step(
-        prompt, target, drafter, num_draft=3, stats=stats, lookup=lookup, cached=cached, cancelled=cancelled
+        prompt, target, drafter, policy=FixedPolicy(3), stats=stats, lookup=lookup, cached=cached, cancelled=cancelled
     )
     for token, _ in steps:
         tokens.append(token)
@@ -509,10 +509,10 @@ def test_a_cancelled_loop_ends_before_the_next_round():
     target, drafter, lookup = runtime_pair("eagle3")
     stats = Stats()
     steps = speculative_generate_step(
-        list(range(10, 30)), target, drafter, num_draft=3, stats=stats, cancelled=lambda: stats.rounds >= 2
+        list(range(10, 30)), target, drafter, policy=FixedPolicy(3), stats=stats, cancelled=lambda: stats.rounds >= 2
     )
     assert 3 <= len(list(steps)) <= 1 + 2 * 4 and stats.rounds == 2
-    steps = speculative_generate_step(list(range(10, 30)), target, drafter, num_draft=3, cancelled=lambda: True)
+    steps = speculative_generate_step(list(range(10, 30)), target, drafter, policy=FixedPolicy(3), cancelled=lambda: True)
     assert list(steps) == [] and target.offset == 0  # cut in the prefill: empty caches
     with pytest.raises(ValueError, match="cached = 20"):
-        next(speculative_generate_step(list(range(10, 30)), target, drafter, num_draft=3, cached=20))
+        next(speculative_generate_step(list(range(10, 30)), target, drafter, policy=FixedPolicy(3), cached=20))

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import generate_tokens
 from mlx.utils import tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -20,7 +21,7 @@ from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.demo import bigram_drafter, write_tiny_target
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.decode import PREFILL_CHUNK, Stats, generate_tokens, speculative_generate_step
+from woodcock.runtime.decode import PREFILL_CHUNK, Stats, speculative_generate_step
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.generate import finish_text
 from woodcock.runtime.policy import FixedPolicy
@@ -166,7 +167,7 @@ def test_eos_and_stop_strings_at_every_position_of_an_accepted_run(demo):
             stop = tokenizer.decode(reference[position : position + 2])
             if not stop.strip():
                 continue
-            fast = speculative_generate_step(prompt, target, drafter, num_draft=k)
+            fast = speculative_generate_step(prompt, target, drafter, policy=FixedPolicy(k))
             slow = generate_step(mx.array(prompt), model, max_tokens=120)
             got_text = finish_text((t for t, _ in fast), tokenizer, max_tokens=120, stop=[stop])
             want = finish_text((t for t, _ in slow), tokenizer, max_tokens=120, stop=[stop])

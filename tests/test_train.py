@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import json_strings
+from helpers import generate_tokens, json_strings
 from mlx.utils import tree_unflatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -18,7 +18,7 @@ from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.loading import load_drafter
 from woodcock.provenance import content_sha256
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.target import MlxTarget
 from woodcock.tensorfile import read_safetensors

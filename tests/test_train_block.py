@@ -10,7 +10,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import json_strings
+from helpers import generate_tokens, json_strings
 from mlx.utils import tree_unflatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -22,7 +22,7 @@ from woodcock.formats import native
 from woodcock.ir import Drafter, VocabMap
 from woodcock.loading import load_drafter_with_format
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.decode import Stats, generate_tokens
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.parity import block_parity
 from woodcock.runtime.target import MlxTarget
 from woodcock.train import train as T

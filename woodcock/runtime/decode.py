@@ -17,7 +17,6 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.runtime.ngram import PromptLookup
-from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling, accept_drafts
 from woodcock.runtime.target import MlxTarget
 
@@ -30,15 +29,42 @@ mx.eval(NO_DRAFTS)
 
 
 class RuntimeDrafter(Protocol):
+    """What the loop asks of a drafter (woodcock.runtime.eagle3, block, ngram)."""
+
     head_target_ids: mx.array  # [Vh] target id of each draft-head row
+    num_drafts: int | None  # a block drafter's drafts per pass; None for chain drafters
+    last_confidence: mx.array | None  # [d] the last proposal's confidence, where it has a head
 
     def reset(self) -> None: ...
 
     def add_context(self, tokens: mx.array, taps: mx.array) -> None: ...
 
-    def propose(self, k: int, sampler) -> tuple[mx.array, mx.array]: ...
+    def propose(self, k: int, sampler) -> tuple[mx.array, mx.array]: ...  # [k], [k, Vh]
 
     def trim(self, rows: int) -> None: ...  # keep the first `rows` context rows
+
+
+class DraftPolicy(Protocol):
+    """What the loop asks of a policy (woodcock.runtime.policy): how far to draft, copy and
+    verify each round, and what came of it. A policy changes speed only, never the output."""
+
+    needs_scores: bool  # verify_length wants the drafts' probabilities (and confidence)
+
+    def draft_length(self, context: int) -> int: ...
+
+    def verify_length(
+        self, context: int, draft_probs: np.ndarray, confidence: np.ndarray | None
+    ) -> int: ...
+
+    def copy_length(self, context: int, proposed: int) -> int: ...
+
+    def extension_length(self, context: int, drafted: int, proposed: int) -> int: ...
+
+    def observe(self, verified: int, accepted: int) -> None: ...
+
+    def observe_copy(self, verified: int, accepted: int) -> None: ...
+
+    def observe_extension(self, verified: int, accepted: int) -> None: ...
 
 
 @dataclass
@@ -55,6 +81,16 @@ class Stats:
     extended: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+
+    def record(
+        self, proposal: Proposal, accepted: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
+        self.drafted.append(proposal.tokens.shape[0])
+        self.accepted.append(accepted)
+        self.copied.append(proposal.copy_round)
+        self.extended.append(0 if proposal.copy_round else len(proposal.copied))
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
 
     @property
     def rounds(self) -> int:
@@ -106,19 +142,17 @@ def speculative_generate_step(
     target: MlxTarget,
     drafter: RuntimeDrafter,
     *,
-    num_draft: int | None = None,
-    policy=None,
+    policy: DraftPolicy,
     sampling: Sampling = GREEDY,
     stats: Stats | None = None,
     lookup: PromptLookup | None = None,
     cached: int = 0,
     cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[int, bool]]:
-    """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. Draft
-    length: num_draft (fixed), or a policy from woodcock.runtime.policy. lookup: rounds whose
-    recent tokens repeat copy from the context instead, as far as the policy's `copy_length`
-    says, and drafts that close a repeat are followed by a copy as far as its
-    `extension_length` says.
+    """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. The policy
+    (woodcock.runtime.policy) says how far to draft; lookup: rounds whose recent tokens repeat
+    copy from the context instead, as far as the policy's `copy_length` says, and drafts that
+    close a repeat are followed by a copy as far as its `extension_length` says.
 
     cached: the first `cached` prompt tokens are those an earlier call over the same target and
     drafter began its stream with, and their rows are still in both caches (the target's keys
@@ -127,106 +161,141 @@ def speculative_generate_step(
     rotating cache that cannot drop the rest falls back to 0). cancelled: asked between prefill
     chunks and before every round; when it returns True the stream ends (cut short in the
     prefill, it leaves both caches empty)."""
-    if (num_draft is None) == (policy is None):
-        raise ValueError("give exactly one of num_draft and policy")
     if not 0 <= cached < len(prompt) or cached > target.offset:
         raise ValueError(
             f"cached = {cached}: expected fewer than the prompt's {len(prompt)} tokens and at"
             f" most the {target.offset} in the target's cache"
         )
-    policy = policy or FixedPolicy(num_draft)
     stats = stats if stats is not None else Stats()
+    anchor = _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled)
+    if anchor is None:
+        return
+    yield anchor.item(), False
+    while not (cancelled is not None and cancelled()):
+        context = target.offset + 1
+        start = time.perf_counter()
+        proposal = _propose(context, policy, drafter, lookup, sampling)  # tokens [k]
+        drafted_at = time.perf_counter()
+        accepted, bonus, taps = _verify(target, drafter, anchor, proposal, sampling)
+        _commit(target, drafter, lookup, proposal, accepted, bonus, taps)
+        proposal.observed_by(policy, accepted)
+        stats.record(proposal, accepted, drafted_at - start, time.perf_counter() - drafted_at)
+        for token in proposal.tokens[:accepted].tolist():
+            yield token, True
+        anchor = bonus
+        yield bonus.item(), False
+
+
+@dataclass
+class Proposal:
+    """One round's drafts: the drafter's (with their logits), then prompt lookup's copies."""
+
+    drafts: mx.array  # [d] target ids
+    draft_logits: mx.array  # [d, Vh]
+    copied: list[int]  # copies after the drafts (the whole proposal in a copy round)
+    copy_round: bool  # prompt lookup proposed instead of the drafter
+    tokens: mx.array = field(init=False)  # [k = d + copies]: what the target verifies
+
+    def __post_init__(self) -> None:
+        self.tokens = mx.concatenate(
+            [self.drafts.astype(mx.int32), mx.array(self.copied, mx.int32)]
+        )
+
+    def observed_by(self, policy: DraftPolicy, accepted: int) -> None:
+        if self.copy_round:
+            policy.observe_copy(len(self.copied), accepted)
+            return
+        d = self.drafts.shape[0]
+        policy.observe(d, min(accepted, d))
+        if self.copied and accepted >= d:  # the extension was tried
+            policy.observe_extension(len(self.copied), accepted - d)
+
+
+def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled):
+    """Prefill what the caches do not hold yet; the first token (the anchor), or None when
+    cancelled during the prefill."""
     cached = cached if cached and target.truncate(cached) else 0
-    if cached:
-        drafter.trim(cached)
-    else:
+    parts = [drafter] if lookup is None else [drafter, lookup]
+    for part in parts:
+        if cached:
+            part.trim(cached)
+        else:
+            part.reset()
+    if not cached:
         target.reset()
-        drafter.reset()
     start = time.perf_counter()
     prefilled = _prefill(target, mx.array(prompt[cached:]), cancelled)  # [V], [P - c, A*Ht]
     if prefilled is None:
         target.reset()
         drafter.reset()
-        return
+        return None
     logits, taps = prefilled
     anchor = sampling.sample(logits)
     context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
     drafter.add_context(context_tokens, taps)
     mx.eval(anchor)
     if lookup is not None:
-        if cached:
-            lookup.trim(cached)
-        else:
-            lookup.reset()
         lookup.add_context(context_tokens)
     stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
     stats.cached_tokens = cached
-    yield anchor.item(), False
-    while True:
-        if cancelled is not None and cancelled():
-            return
-        context = target.offset + 1
-        start = time.perf_counter()
-        drafts, draft_logits = NO_DRAFTS  # a plain decoding step unless the policy drafts
-        copied: list[int] = []  # prompt lookup's drafts, after the drafter's if any
-        copy = lookup.copy_length() if lookup is not None else 0
-        copy = policy.copy_length(context, copy) if copy else 0
-        if copy:
-            copied = lookup.continuation(copy)
-        elif length := policy.draft_length(context):
-            drafts, draft_logits = drafter.propose(length, sampling.sample)
-            if policy.needs_scores:
-                drafts, draft_logits = _verified_prefix(
-                    policy, context, drafter, drafts, draft_logits
-                )
-        mx.eval(drafts, draft_logits)  # [d], [d, Vh]
-        d = drafts.shape[0]
-        if d and lookup is not None:  # drafts that close a repeat: copy on after them
+    return anchor
+
+
+def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
+    """A copy when the recent tokens repeat and the policy takes it, else the drafter's drafts
+    (none: a plain decoding step), extended by a copy when they close a repeat."""
+    copy = lookup.copy_length() if lookup is not None else 0
+    copy = policy.copy_length(context, copy) if copy else 0
+    if copy:
+        return Proposal(*NO_DRAFTS, lookup.continuation(copy), copy_round=True)
+    drafts, draft_logits = NO_DRAFTS
+    if length := policy.draft_length(context):
+        drafts, draft_logits = drafter.propose(length, sampling.sample)
+        if policy.needs_scores:
+            drafts, draft_logits = _verified_prefix(policy, context, drafter, drafts, draft_logits)
+    mx.eval(drafts, draft_logits)  # [d], [d, Vh]
+    copied: list[int] = []
+    if d := drafts.shape[0]:
+        if lookup is not None:
             drafted = drafts.tolist()
             more = lookup.copy_length(drafted)
             more = policy.extension_length(context, d, more) if more else 0
             copied = lookup.continuation(more, drafted) if more else []
-        tokens = mx.concatenate([drafts.astype(mx.int32), mx.array(copied, mx.int32)])  # [k]
-        k = tokens.shape[0]
-        drafted_at = time.perf_counter()
-        logits, taps = target.forward(mx.concatenate([anchor[None].astype(mx.int32), tokens]))
-        if k == 0:  # logits [k+1, V]
-            m, bonus = mx.array(0), sampling.sample(logits[0])
-        elif sampling.greedy:
-            choice = mx.argmax(logits, axis=-1)
-            m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
-            bonus = choice[m]
-        else:
-            vocab = logits.shape[-1]
-            q = mx.zeros((d, vocab))  # [k, V]: the drafter's distributions, copies one-hot
-            if d:
-                q[:, drafter.head_target_ids] = sampling.probabilities(draft_logits)
-            copies = mx.arange(vocab)[None, :] == mx.array(copied, mx.int32)[:, None]
-            q = mx.concatenate([q, copies.astype(q.dtype)])
-            m, bonus = accept_drafts(tokens, q, sampling.probabilities(logits))
-        mx.eval(m, bonus, taps)
-        m = m.item()
-        target.rollback(k - m)
-        accepted = mx.concatenate([tokens[:m], bonus[None].astype(mx.int32)])
-        drafter.add_context(accepted, taps[: m + 1])
-        if lookup is not None:
-            lookup.add_context(accepted)
-        if copy:
-            policy.observe_copy(k, m)
-        else:
-            policy.observe(d, min(m, d))
-            if copied and m >= d:  # the extension was tried
-                policy.observe_extension(len(copied), m - d)
-        stats.drafted.append(k)
-        stats.accepted.append(m)
-        stats.copied.append(bool(copy))
-        stats.extended.append(0 if copy else len(copied))
-        stats.draft_seconds += drafted_at - start
-        stats.verify_seconds += time.perf_counter() - drafted_at
-        for token in tokens[:m].tolist():
-            yield token, True
-        anchor = bonus
-        yield bonus.item(), False
+    return Proposal(drafts, draft_logits, copied, copy_round=False)
+
+
+def _verify(target, drafter, anchor, proposal: Proposal, sampling):
+    """One target forward over [anchor, proposal]: (accepted drafts m, the token after them,
+    the verified rows' taps [k+1, A*Ht])."""
+    tokens = proposal.tokens
+    k = tokens.shape[0]
+    logits, taps = target.forward(mx.concatenate([anchor[None].astype(mx.int32), tokens]))
+    if k == 0:  # logits [k+1, V]
+        m, bonus = mx.array(0), sampling.sample(logits[0])
+    elif sampling.greedy:
+        choice = mx.argmax(logits, axis=-1)
+        m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
+        bonus = choice[m]
+    else:
+        vocab, d = logits.shape[-1], proposal.drafts.shape[0]
+        q = mx.zeros((d, vocab))  # [d, V]: the drafter's distributions; copies are one-hot
+        if d:
+            q[:, drafter.head_target_ids] = sampling.probabilities(proposal.draft_logits)
+        copies = mx.arange(vocab)[None, :] == mx.array(proposal.copied, mx.int32)[:, None]
+        q = mx.concatenate([q, copies.astype(q.dtype)])  # [k, V]
+        m, bonus = accept_drafts(tokens, q, sampling.probabilities(logits))
+    mx.eval(m, bonus, taps)
+    return m.item(), bonus, taps
+
+
+def _commit(target, drafter, lookup, proposal: Proposal, accepted: int, bonus, taps) -> None:
+    """Drop the rejected rows from the target's cache; the accepted tokens and the bonus join
+    the drafter's (and prompt lookup's) context."""
+    target.rollback(proposal.tokens.shape[0] - accepted)
+    kept = mx.concatenate([proposal.tokens[:accepted], bonus[None].astype(mx.int32)])
+    drafter.add_context(kept, taps[: accepted + 1])
+    if lookup is not None:
+        lookup.add_context(kept)
 
 
 def _verified_prefix(
@@ -236,7 +305,7 @@ def _verified_prefix(
     each drafted token under its logits and, for block drafters, the confidence head."""
     chosen = drafter.head_target_ids[None, :] == drafts[:, None]  # [k, Vh]
     probs = (mx.softmax(logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
-    confidence = getattr(drafter, "last_confidence", None)
+    confidence = drafter.last_confidence
     mx.eval(probs, *(() if confidence is None else (confidence,)))
     keep = policy.verify_length(
         context, np.array(probs), None if confidence is None else np.array(confidence)
@@ -257,35 +326,3 @@ def _prefill(
         mx.eval(logits, chunk_taps)
         taps.append(chunk_taps)
     return logits[-1], mx.concatenate(taps, axis=0)
-
-
-def generate_tokens(
-    prompt: Sequence[int],
-    target: MlxTarget,
-    drafter: RuntimeDrafter,
-    *,
-    max_tokens: int,
-    num_draft: int | None = None,
-    policy=None,
-    sampling: Sampling = GREEDY,
-    eos_ids: Sequence[int] = (),
-    stats: Stats | None = None,
-    lookup: PromptLookup | None = None,
-) -> list[int]:
-    """Tokens as plain decoding would emit them: stop before an EOS token or at max_tokens."""
-    out: list[int] = []
-    steps = speculative_generate_step(
-        prompt,
-        target,
-        drafter,
-        num_draft=num_draft,
-        policy=policy,
-        sampling=sampling,
-        stats=stats,
-        lookup=lookup,
-    )
-    for token, _ in steps:
-        if token in eos_ids or len(out) == max_tokens:
-            break
-        out.append(token)
-    return out

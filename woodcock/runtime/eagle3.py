@@ -145,6 +145,9 @@ class Eagle3Drafter:
     steps); None keeps all rows.
     """
 
+    num_drafts = None  # a chain: any length
+    last_confidence = None  # no confidence head
+
     def __init__(
         self,
         drafter: Drafter,

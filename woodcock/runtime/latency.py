@@ -312,7 +312,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     if path.exists():
         return path
     drafters = {session.head_label: session.drafter}
-    block = getattr(session.drafter, "num_drafts", None)
+    block = session.drafter.num_drafts
     repeats = 3
     total = (QUICK_VERIFY + (1 if block else QUICK_DRAFT)) * repeats
     done = 0

@@ -40,6 +40,9 @@ MAX_COPY = 31
 class NgramDrafter:
     """Weight-free drafter: vocab_size is the target's (logits rows are [V])."""
 
+    num_drafts = None  # a chain: any length
+    last_confidence = None  # no confidence head
+
     def __init__(self, vocab_size: int, *, max_ngram: int = 3, min_ngram: int = 1):
         if vocab_size < 1:
             raise DrafterError(f"NgramDrafter: vocab_size = {vocab_size}: expected at least 1")

@@ -218,7 +218,7 @@ def parse_policy(text: str, drafter, *, prior: list[float] | None = None, head: 
             return FixedPolicy(int(value))
         raise DrafterError(f"--policy {text!r}: expected fixed:K with K >= 1")
     if kind in ("confidence", "auto"):
-        block = getattr(drafter, "num_drafts", None)
+        block = drafter.num_drafts
         if not value:
             raise DrafterError(
                 f"--policy {kind}: needs a latency file ({kind}:latency.json, made by `woodcock"
