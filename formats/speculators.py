@@ -95,24 +95,8 @@ LAYER_KEYS_READ = {
     "rope_scaling",
 }
 # Keys of a Hugging Face decoder config that do not change what a draft layer computes.
-INERT_LAYER_KEYS = {
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "transformers_version",
-    "initializer_range",
-    "use_cache",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "pretraining_tp",
-    "attention_dropout",
-    "tie_word_embeddings",
-    "_name_or_path",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-}
+# (model_type names the layer style and is read; tie_word_embeddings is a model-level key)
+INERT_LAYER_KEYS = (hf.INERT_KEYS - {"model_type"}) | {"tie_word_embeddings"}
 
 
 def matches(path: Path) -> bool:

@@ -91,3 +91,16 @@ def generate_tokens(
             break
         out.append(token)
     return out
+
+
+def plain_greedy(model, prompt, max_tokens, eos=()) -> list[int]:
+    """mlx-lm's own greedy decoding: the tokens before an EOS, at most max_tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        if token in eos:
+            break
+        out.append(token)
+    return out

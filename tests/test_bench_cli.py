@@ -173,7 +173,7 @@ def test_bench_runs_a_prompt_file_a_user_brings(demo, capsys, tmp_path):
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("not json\n", "mine.jsonl:1: not JSON"),
+        ("not json\n", "mine.jsonl:1: not valid JSON"),
         ('{"domain": "x"}\n', "mine.jsonl:1: 'prompt' must be a non-empty string"),
         ('["a"]\n', "mine.jsonl:1: expected an object"),
         ("\n\n", "mine.jsonl: no prompts"),

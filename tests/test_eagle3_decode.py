@@ -6,9 +6,8 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate_tokens
+from helpers import generate_tokens, plain_greedy
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 
 from woodcock.demo import bigram_drafter, write_tiny_target
@@ -16,15 +15,6 @@ from woodcock.runtime.decode import Stats
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec
-
-
-def baseline(model, prompt, max_tokens, eos=()):
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token in eos:
-            break
-        out.append(token)
-    return out
 
 
 def random_eagle3(model, *, style, num_layers, taps, draft_vocab=None, **algorithm):
@@ -52,7 +42,15 @@ def test_greedy_with_random_eagle3_drafters(model_type, k):
     for variant, drafter in enumerate(
         [
             random_eagle3(model, style="llama", num_layers=1, taps=(0, 2, 4)),
-            random_eagle3(model, style="qwen3", num_layers=2, taps=(1, 4), draft_vocab=40, norm_output=True, norm_before_residual=True),
+            random_eagle3(
+                model,
+                style="qwen3",
+                num_layers=2,
+                taps=(1, 4),
+                draft_vocab=40,
+                norm_output=True,
+                norm_before_residual=True,
+            ),
         ]
     ):
         target = MlxTarget(model, drafter.spec.taps.layer_ids)
@@ -61,7 +59,7 @@ def test_greedy_with_random_eagle3_drafters(model_type, k):
         for prompt in ([1, 2, 3], [9], list(range(20, 37))):
             stats = Stats()
             got = generate_tokens(prompt, target, runtime, max_tokens=24, num_draft=k, stats=stats)
-            assert got == baseline(model, prompt, 24), (variant, prompt)
+            assert got == plain_greedy(model, prompt, 24), (variant, prompt)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +79,11 @@ def test_greedy_with_a_mostly_right_drafter(demo, k):
     for text in ["The quick brown", "def add", "Paris is the", "One, two", "Small models"]:
         prompt = tokenizer.encode(text)
         stats = Stats()
-        expected = baseline(model, prompt, 48)
-        assert generate_tokens(prompt, target, runtime, max_tokens=48, num_draft=k, stats=stats) == expected
+        expected = plain_greedy(model, prompt, 48)
+        assert (
+            generate_tokens(prompt, target, runtime, max_tokens=48, num_draft=k, stats=stats)
+            == expected
+        )
         total.drafted += stats.drafted
         total.accepted += stats.accepted
         # EOS and max tokens landing inside accepted runs
@@ -90,9 +91,14 @@ def test_greedy_with_a_mostly_right_drafter(demo, k):
             eos = expected[cut]
             if eos in expected[:cut]:
                 continue
-            got = generate_tokens(prompt, target, runtime, max_tokens=48, num_draft=k, eos_ids=[eos])
+            got = generate_tokens(
+                prompt, target, runtime, max_tokens=48, num_draft=k, eos_ids=[eos]
+            )
             assert got == expected[:cut]
-            assert generate_tokens(prompt, target, runtime, max_tokens=cut, num_draft=k) == expected[:cut]
+            assert (
+                generate_tokens(prompt, target, runtime, max_tokens=cut, num_draft=k)
+                == expected[:cut]
+            )
     assert total.tokens_per_round > min(1 + 0.7 * k, 2.5)  # mostly right: long accepted runs
     assert sum(total.accepted) < sum(total.drafted)  # but not always
 
@@ -102,9 +108,11 @@ def test_truncated_head_keeps_the_output(demo):
     drafter = bigram_drafter(path)
     target = MlxTarget(model, drafter.spec.taps.layer_ids)
     prompt = tokenizer.encode("The quick brown")
-    expected = baseline(model, prompt, 40)
+    expected = plain_greedy(model, prompt, 40)
     for keep in (8, 64, 200):
-        head = np.sort(np.random.default_rng(keep).choice(drafter.spec.draft_vocab_size, keep, replace=False))
+        head = np.sort(
+            np.random.default_rng(keep).choice(drafter.spec.draft_vocab_size, keep, replace=False)
+        )
         runtime = Eagle3Drafter(drafter, target.shared_tensors(), head_ids=head)
         assert generate_tokens(prompt, target, runtime, max_tokens=40, num_draft=4) == expected
 
@@ -118,20 +126,30 @@ def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
     target = MlxTarget(model, drafter.spec.taps.layer_ids)
     runtime = Eagle3Drafter(drafter, target.shared_tensors())
     prompt = tokenizer.encode("The quick brown")
-    expected = baseline(model, prompt, 30)
+    expected = plain_greedy(model, prompt, 30)
 
     def profile(first_row, next_row):
         verify = [first_row + next_row * (k - 1) for k in range(1, 17)]
         draft = [0.001 * k for k in range(1, 8)]
         file = tmp_path / f"{first_row}-{next_row}.json"
-        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": draft}})
+        write_profile(
+            file,
+            {
+                "draft_kind": "chain",
+                "verify_seconds": {"64": verify},
+                "draft_seconds": {"full": draft},
+            },
+        )
         return LatencyProfile.load(file)
 
     # every verified row costs what the first does (the reference BLAS): no draft pays
     for profile_, plain in ((profile(0.02, 0.02), True), (profile(0.02, 0.001), False)):
         policy = AutoPolicy(profile_, max_length=7, prior=[0.6] * 7)
         stats = Stats()
-        assert generate_tokens(prompt, target, runtime, max_tokens=30, policy=policy, stats=stats) == expected
+        assert (
+            generate_tokens(prompt, target, runtime, max_tokens=30, policy=policy, stats=stats)
+            == expected
+        )
         assert (set(stats.drafted) == {0}) == plain
         assert plain or sum(stats.accepted) > 0
 
@@ -142,7 +160,9 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
     from woodcock.runtime.sampling import Sampling
 
     model = tiny_target("llama", seed=4, scale=0.4, vocab_size=12)
-    drafter = random_eagle3(model, style="qwen3", num_layers=1, taps=(1, 3), draft_vocab=7, norm_output=True)
+    drafter = random_eagle3(
+        model, style="qwen3", num_layers=1, taps=(1, 3), draft_vocab=7, norm_output=True
+    )
     target = MlxTarget(model, drafter.spec.taps.layer_ids)
     runtime = Eagle3Drafter(drafter, target.shared_tensors())
     sampling = Sampling(temperature=0.9, top_k=6)
@@ -151,7 +171,9 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
     first, second = np.zeros(12), np.zeros(12)
     for seed in range(1200):
         mx.random.seed(seed)
-        tokens = generate_tokens(prompt, target, runtime, max_tokens=2, num_draft=3, sampling=sampling)
+        tokens = generate_tokens(
+            prompt, target, runtime, max_tokens=2, num_draft=3, sampling=sampling
+        )
         first[tokens[0]] += 1
         second[tokens[1]] += 1
     assert not chi_square_exceeds(first, first_p)
@@ -165,7 +187,14 @@ def test_auto_policy_copies_as_far_as_the_profile_says_it_pays(tmp_path):
     def policy(first_row, next_row):
         verify = [first_row + next_row * (k - 1) for k in range(1, 17)]
         file = tmp_path / f"{first_row}-{next_row}.json"
-        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.01] * 7}})
+        write_profile(
+            file,
+            {
+                "draft_kind": "chain",
+                "verify_seconds": {"64": verify},
+                "draft_seconds": {"full": [0.01] * 7},
+            },
+        )
         return AutoPolicy(LatencyProfile.load(file), max_length=7, prior=[0.6] * 7)
 
     assert policy(0.02, 0.02).copy_length(64, 6) == 0  # every row costs a plain step: no copy pays
@@ -198,7 +227,14 @@ def test_auto_policy_extends_drafts_as_far_as_the_profile_says_it_pays(tmp_path)
     def policy(next_row, prior):
         verify = [0.02 + next_row * (k - 1) for k in range(1, 17)]
         file = tmp_path / f"{next_row}-{prior}.json"
-        write_profile(file, {"draft_kind": "chain", "verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.001 * k for k in range(1, 8)]}})
+        write_profile(
+            file,
+            {
+                "draft_kind": "chain",
+                "verify_seconds": {"64": verify},
+                "draft_seconds": {"full": [0.001 * k for k in range(1, 8)]},
+            },
+        )
         return AutoPolicy(LatencyProfile.load(file), max_length=7, prior=[prior] * 7)
 
     assert policy(0.0001, 0.6).extension_length(64, 2, 8) == 8  # rows are nearly free
@@ -206,7 +242,12 @@ def test_auto_policy_extends_drafts_as_far_as_the_profile_says_it_pays(tmp_path)
     # the copy counts only once both drafts are accepted: after unlikely drafts it is not worth
     # rows of a twentieth of a step, after likely ones most of it is
     assert policy(0.001, 0.2).extension_length(64, 2, 8) == 0
-    assert 0 < policy(0.001, 0.6).extension_length(64, 2, 8) < policy(0.001, 0.95).extension_length(64, 2, 8) < 8
+    assert (
+        0
+        < policy(0.001, 0.6).extension_length(64, 2, 8)
+        < policy(0.001, 0.95).extension_length(64, 2, 8)
+        < 8
+    )
     failing = policy(0.001, 0.6)
     for _ in range(30):  # extensions of four keep failing at their first token
         if verified := failing.extension_length(64, 2, 4):

@@ -105,7 +105,7 @@ def test_bad_requests_are_one_line_errors(tmp_path):
     with pytest.raises(DrafterError, match="chat.jsonl:1: domain 'math': expected 'chat'"):
         load_prompts(["chat"], root=tmp_path)
     (tmp_path / "chat.jsonl").write_text("{not json\n")
-    with pytest.raises(DrafterError, match="chat.jsonl:1: not JSON"):
+    with pytest.raises(DrafterError, match="chat.jsonl:1: not valid JSON"):
         load_prompts(["chat"], root=tmp_path)
 
 

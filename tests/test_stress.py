@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import generate_tokens
+from helpers import generate_tokens, plain_greedy
 from mlx.utils import tree_map
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -30,15 +30,6 @@ from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec
 
 BLOCK_SIZE = 16  # with sample_from_anchor: 16 drafts a round
-
-
-def plain(model, prompt, max_tokens, eos=()):
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token in eos:
-            break
-        out.append(token)
-    return out
 
 
 def random_spec(model, algorithm, *, taps, window=None, **fields):
@@ -98,7 +89,7 @@ def test_a_long_generation_with_many_rollbacks_is_the_targets_own(model, pair):
     stats = Stats()
     prompt = [3, 14, 15, 92, 65]
     got = generate_tokens(prompt, target, drafter, max_tokens=2000, num_draft=4, stats=stats)
-    assert got == plain(model, prompt, 2000)
+    assert got == plain_greedy(model, prompt, 2000)
     rejected_rounds = sum(a < d for a, d in zip(stats.accepted, stats.drafted, strict=True))
     assert rejected_rounds > 300, "the drafter should be wrong often"
 
@@ -106,7 +97,7 @@ def test_a_long_generation_with_many_rollbacks_is_the_targets_own(model, pair):
 def test_every_draft_length_from_1_to_16(model, pair):
     kind, target, drafter = pair
     prompt = [7, 1, 8, 2, 8]
-    expected = plain(model, prompt, 40)
+    expected = plain_greedy(model, prompt, 40)
     for k in range(1, 17):
         stats = Stats()
         got = generate_tokens(
@@ -123,7 +114,7 @@ def test_prompts_longer_than_the_prefill_chunk_and_the_drafter_window(model, kin
     for length in (PREFILL_CHUNK + 1, 2 * PREFILL_CHUNK + 37):
         prompt = rng.integers(0, model.args.vocab_size, length).tolist()
         got = generate_tokens(prompt, target, drafter, max_tokens=48, num_draft=5)
-        assert got == plain(model, prompt, 48), length
+        assert got == plain_greedy(model, prompt, 48), length
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +144,7 @@ def test_eos_and_stop_strings_at_every_position_of_an_accepted_run(demo):
     k = 6
     stats = Stats()
     reference = generate_tokens(prompt, target, drafter, max_tokens=120, num_draft=k, stats=stats)
-    assert reference == plain(model, prompt, 120)
+    assert reference == plain_greedy(model, prompt, 120)
     runs = list(accepted_runs(stats, len(reference), longest=4))
     assert len(runs) >= 2, "the bigram drafter should have long accepted runs"
     checked = 0
@@ -162,7 +153,7 @@ def test_eos_and_stop_strings_at_every_position_of_an_accepted_run(demo):
             # EOS: the token at `position`, wherever it occurs first
             eos = (reference[position],)
             got = generate_tokens(prompt, target, drafter, max_tokens=120, num_draft=k, eos_ids=eos)
-            assert got == plain(model, prompt, 120, eos), position
+            assert got == plain_greedy(model, prompt, 120, eos), position
             # stop string: the text of the tokens from `position` on (it may span rounds)
             stop = tokenizer.decode(reference[position : position + 2])
             if not stop.strip():
@@ -223,7 +214,7 @@ def test_greedy_with_a_rotating_cache_target(kind):
     target, drafter = runtime_drafter(kind, model)
     for prompt in ([1, 2, 3], list(range(10, 40))):
         got = generate_tokens(prompt, target, drafter, max_tokens=200, num_draft=4)
-        assert got == plain(model, prompt, 200)
+        assert got == plain_greedy(model, prompt, 200)
 
 
 def quantized_target(vocab_size=96):
@@ -240,7 +231,7 @@ def test_greedy_with_a_4bit_target(kind):
     target, drafter = runtime_drafter(kind, model)
     for prompt in ([1, 2, 3], list(range(10, 40))):
         got = generate_tokens(prompt, target, drafter, max_tokens=300, num_draft=4)
-        assert got == plain(model, prompt, 300)
+        assert got == plain_greedy(model, prompt, 300)
 
 
 def sampled_marginals(model, kind, prompt, runs, sampling):
@@ -283,7 +274,7 @@ def test_long_generations_from_long_prompts_at_every_draft_length(model, kind):
     target, drafter = runtime_drafter(kind, model, window=40)
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, model.args.vocab_size, 3 * PREFILL_CHUNK + 5).tolist()
-    expected = plain(model, prompt, 600)
+    expected = plain_greedy(model, prompt, 600)
     for k in range(1, 17):
         got = generate_tokens(prompt, target, drafter, max_tokens=600, policy=FixedPolicy(k))
         assert got == expected, k

@@ -8,10 +8,9 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate_tokens, json_strings
+from helpers import generate_tokens, json_strings, plain_greedy
 from mlx.utils import tree_unflatten
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 from woodcock.demo import CORPUS, write_tiny_target
 from woodcock.errors import DrafterError
@@ -47,15 +46,6 @@ def write_prompts(path, count, start=0):
                 json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}) + "\n"
             )
     return path
-
-
-def greedy(model, prompt, max_tokens, eos=()):
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        if token in eos:
-            break
-        out.append(token)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +114,7 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     for row in rows[:6]:
         answer = row["answer_ids"]
         assert 1 <= len(answer) <= MAX_TOKENS
-        assert answer == greedy(model, row["prompt_ids"], MAX_TOKENS)[: len(answer)]
+        assert answer == plain_greedy(model, row["prompt_ids"], MAX_TOKENS)[: len(answer)]
         assert row["finish_reason"] in ("stop", "length")
 
     # a re-run over a longer prompt list answers only the new prompts; a torn last line (an
@@ -278,7 +268,7 @@ def test_trained_drafter_loads_learns_and_decodes_exactly(work, trained):
     runtime = Eagle3Drafter(drafter, target.shared_tensors())
     stats = Stats()
     for prompt in ([5, 17, 33], read_answers(work / "data")[3]["prompt_ids"]):
-        expected = greedy(model, prompt, 48, tokenizer.eos_token_ids)
+        expected = plain_greedy(model, prompt, 48, tokenizer.eos_token_ids)
         got = generate_tokens(
             prompt,
             target,

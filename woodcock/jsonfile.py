@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,32 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DrafterError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(`FILE:LINE`, the decoded value) of every non-blank line of a JSONL file, read as it
+    goes. Lines end at "\n" only: a record may hold U+2028 or a lone "\r"."""
+    path = Path(path)
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        raise DrafterError(f"{path}: missing file") from None
+    except OSError as e:
+        raise DrafterError(f"{path}: cannot be read ({e.strerror or e})") from None
+    with handle:
+        for number, raw in enumerate(handle, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DrafterError(f"{where}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DrafterError(f"{where}: not valid JSON ({e.msg})") from None
+            yield where, record
 
 
 def write_json(path: Path, data: Any) -> None:

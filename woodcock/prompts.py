@@ -6,13 +6,13 @@ Provenance, licences and the held-out rule (never train on them): benchmarks/pro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
 from woodcock.errors import DrafterError
+from woodcock.jsonfile import jsonl_records
 
 DOMAINS = ("chat", "code", "math", "multilingual")
 PROMPTS_DIR = Path(str(files("woodcock.benchmark_prompts")))
@@ -74,33 +74,22 @@ def load_prompt_file(
     are ignored), in file order; `domains` keeps only those, `limit_per_domain` the first N of
     each. Ids are `FILE:LINE`."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except OSError as e:
-        raise DrafterError(f"{path}: cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise DrafterError(f"{path}: not UTF-8 text") from None
     prompts: list[Prompt] = []
     taken: dict[str, int] = {}
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DrafterError(f"{path}:{number}: not JSON ({e.msg})") from None
+    for where, record in jsonl_records(path):
         if not isinstance(record, dict):
-            raise DrafterError(f"{path}:{number}: expected an object with domain and prompt")
+            raise DrafterError(f"{where}: expected an object with domain and prompt")
         for key in ("domain", "prompt"):
             if not isinstance(record.get(key), str) or not record[key]:
-                raise DrafterError(f"{path}:{number}: {key!r} must be a non-empty string")
+                raise DrafterError(f"{where}: {key!r} must be a non-empty string")
         domain = record["domain"]
         if domains is not None and domain not in domains:
             continue
         if limit_per_domain is not None and taken.get(domain, 0) >= limit_per_domain:
             continue
         taken[domain] = taken.get(domain, 0) + 1
-        prompts.append(Prompt(f"{path.name}:{number}", domain, record["prompt"], path.name))
+        line = where.rsplit(":", 1)[1]
+        prompts.append(Prompt(f"{path.name}:{line}", domain, record["prompt"], path.name))
     if not prompts:
         raise DrafterError(
             f"{path}: no prompts" + (f" in domains {list(domains)}" if domains else "")
@@ -119,24 +108,16 @@ def heldout_sharegpt_ids(root: str | Path | None = None) -> set[str]:
 
 
 def _read(path: Path, domain: str) -> list[Prompt]:
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except FileNotFoundError:
-        raise DrafterError(f"{path}: no prompt file for domain {domain!r}") from None
+    if not path.is_file():
+        raise DrafterError(f"{path}: no prompt file for domain {domain!r}")
     rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DrafterError(f"{path}:{number}: not JSON ({e.msg})") from None
+    for where, record in jsonl_records(path):
         if not isinstance(record, dict) or sorted(record) != sorted(_FIELDS):
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DrafterError(f"{path}:{number}: keys {keys}: expected {sorted(_FIELDS)}")
+            raise DrafterError(f"{where}: keys {keys}: expected {sorted(_FIELDS)}")
         if not all(isinstance(record[f], str) and record[f] for f in _FIELDS):
-            raise DrafterError(f"{path}:{number}: every field must be a non-empty string")
+            raise DrafterError(f"{where}: every field must be a non-empty string")
         if record["domain"] != domain:
-            raise DrafterError(f"{path}:{number}: domain {record['domain']!r}: expected {domain!r}")
+            raise DrafterError(f"{where}: domain {record['domain']!r}: expected {domain!r}")
         rows.append(Prompt(**{f: record[f] for f in _FIELDS}))
     return rows

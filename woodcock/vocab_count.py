@@ -26,6 +26,7 @@ import typer
 
 from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO
 from woodcock.errors import DrafterError
+from woodcock.jsonfile import jsonl_records
 from woodcock.provenance import portable_path
 from woodcock.staging import staged_file
 
@@ -231,29 +232,17 @@ def _text_segments(file: Path) -> Iterator[str]:
 
 
 def _jsonl_segments(file: Path, tokenizer: _Tokenizer) -> Iterator[tuple[str, list[list[int]]]]:
-    try:
-        handle = file.open(encoding="utf-8")
-    except OSError as e:
-        raise DrafterError(f"{file}: cannot be read ({e.strerror})") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            where = f"{file}:{number}"
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DrafterError(f"{where}: not valid JSON ({e})") from None
-            if isinstance(record, dict):
-                keys = [k for k in ("input_ids", "token_ids", "text") if k in record]
-                if not keys:
-                    raise DrafterError(f"{where}: expected input_ids, token_ids or text")
-                record = record[keys[0]]
-            if isinstance(record, str):
-                yield where, tokenizer.encode([record])
-            elif isinstance(record, list) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in record
-            ):
-                yield where, [record]
-            else:
-                raise DrafterError(f"{where}: expected a list of token ids or a text")
+    for where, record in jsonl_records(file):
+        if isinstance(record, dict):
+            keys = [k for k in ("input_ids", "token_ids", "text") if k in record]
+            if not keys:
+                raise DrafterError(f"{where}: expected input_ids, token_ids or text")
+            record = record[keys[0]]
+        if isinstance(record, str):
+            yield where, tokenizer.encode([record])
+        elif isinstance(record, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in record
+        ):
+            yield where, [record]
+        else:
+            raise DrafterError(f"{where}: expected a list of token ids or a text")

@@ -258,11 +258,11 @@ def measure(
         drafter.add_context(mx.array(rng.integers(0, vocab, context_taps.shape[0])), context_taps)
         new_rows = (mx.array(rng.integers(0, vocab, 3)), context_taps[-3:])
         lengths = (
-            [drafter.num_drafts] if hasattr(drafter, "num_drafts") else range(1, max_draft + 1)
+            [drafter.num_drafts] if drafter.num_drafts is not None else range(1, max_draft + 1)
         )
         runs = [_drafting(drafter, k, new_rows) for k in lengths]
         draft[label] = non_decreasing(timed_sweeps(runs, repeats=repeats, advance=advance))
-    kind = "block" if any(hasattr(d, "num_drafts") for d in drafters.values()) else "chain"
+    kind = "block" if any(d.num_drafts is not None for d in drafters.values()) else "chain"
     return {"verify_seconds": verify, "draft_seconds": draft, "draft_kind": kind}
 
 
@@ -272,7 +272,7 @@ def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
     import mlx.core as mx
 
     def run() -> None:
-        if not hasattr(drafter, "num_drafts"):
+        if drafter.num_drafts is None:
             drafter.add_context(*new_rows)
         tokens, logits = drafter.propose(k, lambda row: mx.argmax(row, axis=-1))
         mx.eval(tokens, logits)

@@ -35,7 +35,7 @@ import numpy as np
 
 from woodcock.train.data import Batch, eval_batches, make_batch
 from woodcock.train.options import TrainOptions
-from woodcock.train.trainer import make_optimizer
+from woodcock.train.trainer import draft_head, make_optimizer
 
 
 def anchor_candidates(length: int, prompt_length: int, block_size: int) -> np.ndarray:
@@ -85,7 +85,6 @@ class BlockInputs:
 
 class BlockTrainer:
     def __init__(self, model, spec, head_target_ids, head_matrix: np.ndarray, opts: TrainOptions):
-        import mlx.core as mx
         import mlx.nn as nn
 
         self.model, self.spec, self.opts = model, spec, opts
@@ -94,14 +93,7 @@ class BlockTrainer:
         self.shift = 0 if algorithm.sample_from_anchor else 1
         self.slots = algorithm.num_drafts
         self.mask_id = algorithm.mask_token_id
-        vocab = int(head_matrix.shape[0])
-        self.head_ids = (
-            np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
-        )
-        self.in_head = np.zeros(vocab, bool)
-        self.in_head[self.head_ids] = True
-        rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
-        self.head_t = mx.array(np.ascontiguousarray(rows.T, np.float32))  # [Ht, Vd]
+        self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
         self.decay = np.exp(-np.arange(self.slots) / opts.decay_gamma).astype(np.float32)
         self.optimizer = make_optimizer(opts)
         self._loss_and_grad = nn.value_and_grad(model, self._loss)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from woodcock.errors import DrafterError
-from woodcock.jsonfile import read_json_object, write_json
+from woodcock.jsonfile import jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
 from woodcock.target_checkpoint import load_mlx_target
 
@@ -51,28 +51,18 @@ class DistillReport:
 def read_prompts(path: Path) -> list[tuple[str, str]]:
     """(id, prompt) per line of a JSONL file of {"id", "prompt"} objects; ids must be unique."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except OSError as e:
-        raise DrafterError(f"{path}: cannot be read ({e.strerror or e})") from None
     prompts: list[tuple[str, str]] = []
     seen: set[str] = set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DrafterError(f"{path}:{number}: not valid JSON ({e})") from None
+    for where, row in jsonl_records(path):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DrafterError(f"{path}:{number}: expected an object with a string 'prompt'")
+            raise DrafterError(f"{where}: expected an object with a string 'prompt'")
         ident = row.get("id")
         if isinstance(ident, int) and not isinstance(ident, bool):
             ident = str(ident)
         if not isinstance(ident, str) or not ident:
-            raise DrafterError(f"{path}:{number}: id = {row.get('id')!r}: expected a string")
+            raise DrafterError(f"{where}: id = {row.get('id')!r}: expected a string")
         if ident in seen:
-            raise DrafterError(f"{path}:{number}: id {ident!r} occurs twice")
+            raise DrafterError(f"{where}: id {ident!r} occurs twice")
         seen.add(ident)
         prompts.append((ident, row["prompt"]))
     if not prompts:

@@ -83,6 +83,19 @@ class Agreement:
         return [float(h / t) if t else 0.0 for h, t in pairs]
 
 
+def draft_head(head_matrix: np.ndarray, head_target_ids: np.ndarray | None):
+    """(target id of each draft row [Vd], whether each target id has a row [V], the target's
+    head rows of the draft vocabulary transposed [Ht, Vd]) for the soft labels."""
+    import mlx.core as mx
+
+    vocab = int(head_matrix.shape[0])
+    head_ids = np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
+    in_head = np.zeros(vocab, bool)
+    in_head[head_ids] = True
+    rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
+    return head_ids, in_head, mx.array(np.ascontiguousarray(rows.T, np.float32))
+
+
 def make_optimizer(opts: TrainOptions):
     """AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to min_lr_ratio of the peak."""
     import mlx.core as mx
@@ -104,19 +117,11 @@ class Trainer:
     def __init__(
         self, model, head_target_ids: np.ndarray, head_matrix: np.ndarray, opts: TrainOptions
     ):
-        import mlx.core as mx
         import mlx.nn as nn
 
         self.model, self.opts = model, opts
         self.steps = opts.ttt_steps
-        vocab = int(head_matrix.shape[0])
-        self.head_ids = (
-            np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
-        )
-        self.in_head = np.zeros(vocab, bool)
-        self.in_head[self.head_ids] = True
-        rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
-        self.head_t = mx.array(np.ascontiguousarray(rows.T, np.float32))  # [Ht, Vd]
+        self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
         self.weights = [opts.step_weight**k for k in range(self.steps)]
         self.optimizer = make_optimizer(opts)
         self._loss_and_grad = nn.value_and_grad(model, self._loss)
