@@ -2,6 +2,7 @@
 settings (speed is measured by these commands, never asserted here)."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def test_auto_policy_needs_a_profile_outside_the_command():
     from woodcock.runtime.policy import parse_policy
 
     with pytest.raises(DrafterError, match=r"--policy auto: needs a latency file"):
-        parse_policy("auto", object())
+        parse_policy("auto", SimpleNamespace(num_drafts=None))  # a chain drafter
 
 
 def test_bench_table_json_and_chart(demo, capsys, tmp_path):

@@ -143,8 +143,7 @@ def staged_directory(dest: Path, *, force: bool = False) -> Iterator[Path]:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         for fd in (staging_lock, replaced_lock):
-            if fd is not None:
-                os.close(fd)
+            _release(fd)
 
 
 @contextlib.contextmanager
@@ -169,8 +168,7 @@ def staged_file(dest: Path) -> Iterator[Path]:
         os.replace(staging / dest.name, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if staging_lock is not None:
-            os.close(staging_lock)
+        _release(staging_lock)
 
 
 def _refuse_existing(dest: Path, force: bool) -> None:
@@ -210,9 +208,14 @@ def _move_into_place(staging: Path, dest: Path, force: bool) -> int | None:
         raise
     finally:
         shutil.rmtree(retired, ignore_errors=True)
-        if retired_lock is not None:
-            os.close(retired_lock)
+        _release(retired_lock)
     return None
+
+
+# The directories this process holds a flock on, by (device, inode): renames do not change
+# them. An output staged inside another's staging directory (the demo's drafter) must not wait
+# for the lock its own process holds: flock does not nest across descriptors.
+_HELD: set[tuple[int, int]] = set()
 
 
 def _lock(path: Path) -> int | None:
@@ -222,9 +225,21 @@ def _lock(path: Path) -> int | None:
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _HELD.add(_identity(fd))
     except OSError:
         pass  # a file system without flock: the directory is then never taken for a leftover
     return fd
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        _HELD.discard(_identity(fd))
+        os.close(fd)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _locked_directory(dest: Path, kind: str) -> tuple[Path, int | None]:
@@ -300,12 +315,17 @@ def _parent_locked(parent: Path) -> Iterator[None]:
     except OSError:
         yield
         return
+    key, mine = _identity(fd), False
     try:
-        if fcntl is not None:
+        if fcntl is not None and key not in _HELD:
             with contextlib.suppress(OSError):  # no flock here: staging works without locks
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                _HELD.add(key)
+                mine = True
         yield
     finally:
+        if mine:
+            _HELD.discard(key)
         os.close(fd)
 
 

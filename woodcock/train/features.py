@@ -265,27 +265,35 @@ class FeatureCache:
         batch_tokens: int = 2048,
         progress: Progress | None = None,
     ) -> None:
-        """Compute what is missing (longest first, right-padded batches of <= batch_tokens
-        padded tokens)."""
-        todo = sorted(self.missing(samples), key=lambda s: -len(s.tokens))
-        if not todo:
+        """Compute what is missing, in right-padded batches of <= batch_tokens padded tokens
+        over all the samples, longest first. The batches are the same whatever is cached
+        already: a batch with any sample missing is computed whole and only the missing rows
+        are written, so a run that continues an interrupted cache stores the bits an
+        uninterrupted one would (padding into another batch changes the low bits)."""
+        missing = {s.id for s in self.missing(samples)}
+        if not missing:
             return
-        total = sum(len(s.tokens) for s in todo)
+        ordered = sorted(samples, key=lambda s: -len(s.tokens))
+        groups, i = [], 0
+        while i < len(ordered):
+            count = max(1, min(16, batch_tokens // len(ordered[i].tokens)))
+            groups.append(ordered[i : i + count])
+            i += count
+        groups = [g for g in groups if any(s.id in missing for s in g)]
+        total = sum(len(s.tokens) for s in ordered if s.id in missing)
         done = 0
         handles = {name: open(self.dir / f"{name}.bin", "ab") for name, _, _ in self.FILES}
         try:
             with open(self.dir / "index.jsonl", "a", encoding="utf-8") as index:
-                i = 0
-                while i < len(todo):
-                    length = len(todo[i].tokens)
-                    count = max(1, min(16, batch_tokens // length))
-                    group = todo[i : i + count]
-                    i += len(group)
+                for group in groups:
+                    length = len(group[0].tokens)
                     padded = np.zeros((len(group), length), np.int32)
                     for row, s in enumerate(group):
                         padded[row, : len(s.tokens)] = s.tokens
                     computed = runner.run(padded)
                     for row, s in enumerate(group):
+                        if s.id not in missing:
+                            continue
                         n = len(s.tokens)
                         parts = {name: array[row, :n] for name, array in computed.items()}
                         parts["tokens"] = s.tokens
