@@ -16,6 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_targets import tiny_target
 
@@ -420,6 +422,32 @@ def test_the_server_keeps_serving_after_bad_requests(server):
         server.client().chat.completions.create(model="gpt-4o", messages=USER)
     assert chat(server, USER, max_tokens=4).choices[0].finish_reason in ("length", "stop")
     assert server.metric("request_errors") >= len(BAD_REQUESTS)
+
+
+REQUEST_FIELDS = [
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "min_p", "stop", "seed", "n", "stream", "stream_options", "logprobs",
+]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+    body=st.dictionaries(st.sampled_from(REQUEST_FIELDS), JSON_VALUES, max_size=5),
+)
+def test_random_request_bodies_get_an_answer_or_an_error_object_never_a_crash(server, path, body):
+    body.setdefault("max_tokens", 4)  # a body that happens to be valid answers quickly
+    status, _, raw = request(server, "POST", path, body)
+    assert status in (200, 400, 404), (body, status, raw[:300])
+    if status != 200:
+        error = json.loads(raw)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+    assert request(server, "GET", "/health")[0] == 200
 
 
 def test_serve_refuses_bad_values_before_listening(demo):
