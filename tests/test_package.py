@@ -49,7 +49,7 @@ def shipped_text_files():
 
 
 def test_the_scan_finds_machine_paths():
-    for line in ['"dir": "/work/runs/distill"', "in /root/.cache/x", "C:\\Users\\me", "(/tmp/a)"]:
+    for line in ['"dir": "/srv/runs/distill"', "in /home/user/.cache/x", "C:\\Users\\me", "(/var/tmp/a)"]:
         assert MACHINE_PATH.search(line), line
     for line in [
         '"dir": "../distill"',
