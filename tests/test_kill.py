@@ -132,9 +132,13 @@ def reported_removed(stderr: str) -> list[Path]:
     return sorted(removed)
 
 
-def partial_exists(dest: Path):
+def new_partial_exists(dest: Path, earlier: set[Path]):
+    """Whether a staging directory of `dest` other than the `earlier` ones has appeared."""
     prefix = f".{dest.name}.partial-"
-    return lambda: any(name.startswith(prefix) for name in os.listdir(dest.parent))
+    return lambda: any(
+        name.startswith(prefix) and dest.parent / name not in earlier
+        for name in os.listdir(dest.parent)
+    )
 
 
 # -- the library: live writers and dead ones ---------------------------------------------------
@@ -283,11 +287,16 @@ def test_convert_killed_keeps_the_previous_output_and_the_next_run_cleans_up(wor
     assert digest(dest) == before  # a conversion writes the same bytes every time
 
     rng = random.Random(11)
-    killed_writing = kill_when(start(*convert, "--force"), partial_exists(dest), delay=0.0)
-    assert killed_writing, "the conversion ended before its staging directory could be seen"
     for at in sorted(rng.uniform(0.2, 1.0) * seconds for _ in range(2)):
         kill_after(start(*convert, "--force"), at)
         assert digest(dest) == before  # the previous output, or its identical successor
+    # Last, so that no later run can clean up after it: killed as its own staging appears.
+    earlier = set(leftovers(dest))
+    killed_writing = kill_when(
+        start(*convert, "--force"), new_partial_exists(dest, earlier), delay=0.0
+    )
+    assert killed_writing, "the conversion ended before its staging directory could be seen"
+    assert digest(dest) == before
     left = leftovers(dest)
     assert left, "the kill while writing left nothing behind"
 
@@ -352,15 +361,15 @@ def test_distill_killed_then_resumed_gives_the_same_answers(work, tmp_path):
 
     cut = tmp_path / "cut"
     rng = random.Random(12)
-    kill_after(start(*distill(cut)), rng.uniform(0.3, 0.9) * seconds)
-    answered_before = answered_count(cut)
+    # First while answering, at a seeded count, so that every later kill has answers left to cut.
+    threshold = rng.randrange(4, 12)
     assert kill_when(
-        start(*distill(cut)),
-        lambda: answered_count(cut) > answered_before,
-        delay=rng.uniform(0.0, 0.1),
+        start(*distill(cut)), lambda: answered_count(cut) >= threshold, delay=0.0
     ), "distill finished before it could be killed while answering"
     answered_before = answered_count(cut)
     assert 0 < answered_before < 32
+    kill_after(start(*distill(cut)), rng.uniform(0.3, 0.9) * seconds)
+    answered_before = answered_count(cut)
     kill_when(start(*distill(cut)), lambda: answered_count(cut) >= answered_before + 2, delay=0.0)
     partly = answers_by_id(cut)
     assert all(partly[i] == expected[i] for i in partly)  # nothing half-written in the answers
