@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
+from woodcock.bench import ideal_seconds
 from woodcock.cli import main
+from woodcock.runtime.decode import Stats
 from woodcock.runtime.latency import (
     LatencyProfile,
     acceptance_needed_table,
@@ -96,7 +98,7 @@ def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     setting = next(line for line in out.splitlines() if line.startswith("policy auto:"))
     assert ", 16 new tokens, greedy, batch 1; " in setting and " backend, BLAS " in setting
     assert " with prompt lookup, " in setting
-    for column in ("baseline tok/s", "woodcock tok/s", "speedup", "tok/round", "copied", "acceptance by position"):
+    for column in ("baseline tok/s", "woodcock tok/s", "speedup", "ideal", "of ideal", "tok/round", "copied", "acceptance by position"):
         assert column in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out, err = run_cli(args + ["--json"], capsys)
@@ -104,6 +106,9 @@ def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     assert [row["domain"] for row in report["rows"]] == ["chat", "code", "all"]
     assert report["rows"][-1]["identical"] == 2 and report["lookup"] is True
     assert all(0 <= row["copied_rounds"] + row["extended_rounds"] <= row["rounds"] for row in report["rows"])
+    for row in report["rows"]:
+        assert row["ideal_speedup"] > 0
+        assert row["measured_over_ideal"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
     code, out, err = run_cli(args + ["--json", "--no-lookup"], capsys)
     assert code == 0, err
     report = json.loads(out)
@@ -114,6 +119,29 @@ def test_ngram_drafter_through_generate_and_bench(demo, capsys):
     code, out, err = run_cli(["bench", "--target", str(demo / "target"), "--drafter", "ngram", "--domains", "code", "--prompts", "1", "--max-tokens", "16", "--no-chat"], capsys)
     assert code == 0, err
     assert "identical to plain mlx-lm decoding on 1 of 1" in out
+
+
+def test_the_ideal_prices_each_round_at_the_profiles_cost():
+    profile = LatencyProfile(
+        verify_seconds={0: [1.0, 1.5, 2.0, 2.5, 3.0], 100: [2.0, 3.0, 4.0, 5.0, 6.0]},
+        draft_seconds={"full": [0.25, 0.5, 0.75]},
+        draft_kind="chain",
+    )
+    stats = Stats(prompt_tokens=50)
+    rounds = [  # drafts, accepted, copied, extended
+        (2, 2, False, 0),  # context 50: verify 3 rows 3.0 + draft 2 0.5; plain 1.50 + 1.51 + 1.52
+        (4, 1, True, 0),  # context 53: verify 5 rows 4.59 + nothing drafted; plain 1.53 + 1.54
+        (3, 0, False, 2),  # context 55: verify 4 rows 3.875 + the drafter's 1 draft 0.25; plain 1.55
+        (0, 0, False, 0),  # context 56: a plain step 1.56
+    ]
+    for drafted, accepted, copied, extended in rounds:
+        stats.drafted.append(drafted)
+        stats.accepted.append(accepted)
+        stats.copied.append(copied)
+        stats.extended.append(extended)
+    plain, spent = ideal_seconds(stats, profile, "full")
+    assert plain == pytest.approx((1.50 + 1.51 + 1.52) + (1.53 + 1.54) + 1.55 + 1.56)
+    assert spent == pytest.approx((3.0 + 0.5) + 4.59 + (3.875 + 0.25) + 1.56)
 
 
 def test_acceptance_needed_solves_expected_tokens_per_round_against_the_cost(tmp_path):

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from woodcock.runtime.decode import Stats
 from woodcock.runtime.generate import encode_prompt, generate
+from woodcock.runtime.latency import LatencyProfile
 from woodcock.runtime.sampling import Sampling
 
 
@@ -22,6 +23,9 @@ class DomainResult:
     baseline_seconds: float = 0.0
     woodcock_tokens: int = 0
     woodcock_seconds: float = 0.0
+    # what the latency profile says the same tokens cost: plain steps, and woodcock's rounds
+    ideal_baseline_seconds: float = 0.0
+    ideal_woodcock_seconds: float = 0.0
     stats: Stats = field(default_factory=Stats)
 
     def add(self, other: DomainResult) -> None:
@@ -31,6 +35,8 @@ class DomainResult:
         self.baseline_seconds += other.baseline_seconds
         self.woodcock_tokens += other.woodcock_tokens
         self.woodcock_seconds += other.woodcock_seconds
+        self.ideal_baseline_seconds += other.ideal_baseline_seconds
+        self.ideal_woodcock_seconds += other.ideal_woodcock_seconds
         self.add_stats(other.stats)
 
     def add_stats(self, stats: Stats) -> None:
@@ -42,13 +48,21 @@ class DomainResult:
     def row(self) -> dict:
         baseline = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
         ours = self.woodcock_tokens / self.woodcock_seconds if self.woodcock_seconds else 0.0
+        speedup = ours / baseline if baseline else 0.0
+        ideal = (
+            self.ideal_baseline_seconds / self.ideal_woodcock_seconds
+            if self.ideal_woodcock_seconds
+            else 0.0
+        )
         return {
             "domain": self.domain,
             "prompts": self.prompts,
             "identical": self.identical,
             "baseline_tps": baseline,
             "woodcock_tps": ours,
-            "speedup": ours / baseline if baseline else 0.0,
+            "speedup": speedup,
+            "ideal_speedup": ideal,
+            "measured_over_ideal": speedup / ideal if ideal else 0.0,
             "rounds": self.stats.rounds,
             "tokens_per_round": self.stats.tokens_per_round,
             "average_draft_length": self.stats.average_draft_length,
@@ -80,17 +94,38 @@ def baseline_generate(
     return tokens, seconds
 
 
+def ideal_seconds(
+    stats: Stats, profile: LatencyProfile, head: str | None = None
+) -> tuple[float, float]:
+    """What the latency profile predicts for the tokens these rounds emitted: (plain decoding's
+    seconds, one one-token step a token; the rounds' seconds, each its drafting, none for a copy,
+    plus verifying its drafts and the anchor), every step priced at its context length."""
+    plain = rounds = 0.0
+    context = stats.prompt_tokens
+    for drafted, accepted, copied, extended in zip(
+        stats.drafted, stats.accepted, stats.copied, stats.extended, strict=True
+    ):
+        own_drafts = 0 if copied else drafted - extended
+        rounds += profile.verify_cost(drafted + 1, context)
+        if own_drafts:
+            rounds += profile.draft_cost(own_drafts, head)
+        plain += sum(profile.verify_cost(1, context + i) for i in range(accepted + 1))
+        context += accepted + 1
+    return plain, rounds
+
+
 def run_bench(
     session,
     prompts,
     *,
     policy_factory: Callable[[], object],
+    profile: LatencyProfile,
     max_tokens: int,
     chat: bool = True,
     progress: Callable[[], None] = lambda: None,
 ) -> list[DomainResult]:
     """One policy object across all prompts (an adaptive policy keeps learning), prompts in the
-    given order, baseline then woodcock for each."""
+    given order, baseline then woodcock for each; `profile` prices the rounds each run made."""
     policy = policy_factory()
     results: dict[str, DomainResult] = {}
     for prompt in prompts:
@@ -106,6 +141,9 @@ def run_bench(
         result.baseline_seconds += baseline_seconds
         result.woodcock_tokens += len(ours.tokens)
         result.woodcock_seconds += ours.generation_seconds
+        plain, rounds = ideal_seconds(ours.stats, profile, session.head_label)
+        result.ideal_baseline_seconds += plain
+        result.ideal_woodcock_seconds += rounds
         result.add_stats(ours.stats)
         progress()
     return list(results.values())
@@ -121,7 +159,8 @@ def summary_rows(results: list[DomainResult]) -> list[dict]:
 def render_table(rows: list[dict]) -> str:
     header = (
         f"{'domain':<14}{'prompts':>8}{'baseline tok/s':>16}{'woodcock tok/s':>16}{'speedup':>9}"
-        f"{'tok/round':>11}{'avg K':>7}{'copied':>8}  acceptance by position (drafter)"
+        f"{'ideal':>8}{'of ideal':>10}{'tok/round':>11}{'avg K':>7}{'copied':>8}"
+        "  acceptance by position (drafter)"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -129,11 +168,17 @@ def render_table(rows: list[dict]) -> str:
         copied = row["copied_rounds"] / row["rounds"] if row["rounds"] else 0.0
         lines.append(
             f"{row['domain']:<14}{row['prompts']:>8}{row['baseline_tps']:>16.1f}"
-            f"{row['woodcock_tps']:>16.1f}{row['speedup']:>8.2f}x{row['tokens_per_round']:>11.2f}"
+            f"{row['woodcock_tps']:>16.1f}{row['speedup']:>8.2f}x{row['ideal_speedup']:>7.2f}x"
+            f"{row['measured_over_ideal']:>10.0%}{row['tokens_per_round']:>11.2f}"
             f"{row['average_draft_length']:>7.2f}{copied:>8.0%}  {acceptance}"
         )
     total = rows[-1]
     verdict = "identical" if total["identical"] == total["prompts"] else "DIFFERENT"
+    lines.append(
+        "ideal: the speed-up this machine's latency profile predicts for these rounds (drafting"
+        " and verifying at the measured cost, plain decoding at one-token steps); of ideal:"
+        " measured / ideal"
+    )
     lines.append(
         "copied: share of rounds that copied from the context (prompt lookup) instead of drafting"
     )

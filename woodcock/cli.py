@@ -498,6 +498,7 @@ def bench(
 
     from woodcock.bench import render_table, run_bench, summary_rows, write_chart
     from woodcock.prompts import load_prompt_file, load_prompts
+    from woodcock.runtime.latency import LatencyProfile
     from woodcock.runtime.machine import machine_facts, warn_slow_paths
     from woodcock.runtime.policy import parse_policy
     from woodcock.runtime.session import open_session
@@ -510,6 +511,10 @@ def bench(
     pair = resolve_pair(target, drafter)
     session = open_session(*pair, dtype=dtype, lookup=lookup)
     policy = _with_latency_file(policy, session, *pair)
+    # the profile the policy decides with, else this machine's, prices the ideal speed-up
+    kind, _, given_file = policy.partition(":")
+    adaptive = kind in ("auto", "confidence")
+    profile = LatencyProfile.load(given_file if adaptive else _latency_file(session, *pair))
 
     def make_policy():
         return parse_policy(
@@ -522,6 +527,7 @@ def bench(
             session,
             selected,
             policy_factory=make_policy,
+            profile=profile,
             max_tokens=max_tokens,
             chat=chat,
             progress=lambda: progress.advance(task),
@@ -657,9 +663,15 @@ def demo(
 
 def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
     """`auto` / `confidence` given without a latency file: this machine's cached profile for the
-    pair (measured now, once, if there is none). Progress goes to stderr: stdout is the text."""
+    pair (measured now, once, if there is none)."""
     if policy not in ("auto", "confidence"):
         return policy
+    return f"{policy}:{_latency_file(session, target, drafter)}"
+
+
+def _latency_file(session, target: str, drafter: str) -> Path:
+    """This machine's cached latency profile for the pair, measured now if there is none.
+    Progress goes to stderr: stdout is the text."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -667,13 +679,12 @@ def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
 
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("measuring this machine's latency (once)", total=None)
-        path = cached_profile(
+        return cached_profile(
             session,
             target,
             drafter,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
-    return f"{policy}:{path}"
 
 
 def main(argv: list[str] | None = None) -> None:
