@@ -442,8 +442,10 @@ def output_tensors(
 
 
 def offsets_and_mask(drafter: Drafter) -> dict[str, np.ndarray]:
-    """`d2t` (int64 offsets: target id = i + d2t[i]) and `t2d` (bool over the target vocab)."""
-    spec, ids = drafter.spec, drafter.vocab.draft_to_target
+    """`d2t` (int64 offsets: target id = i + d2t[i]) and `t2d` (bool over the target vocab);
+    the identity and an all-true mask for a full vocabulary."""
+    spec = drafter.spec
+    ids = drafter.vocab.target_ids(spec)
     t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
     t2d[ids] = True
     return {"d2t": ids - np.arange(spec.draft_vocab_size, dtype=np.int64), "t2d": t2d}
@@ -568,6 +570,26 @@ def block_layers(config: Mapping[str, Any]) -> tuple[DecoderLayer, ...]:
         mlp_bias=False,
         **layer_kwargs(config, QWEN3_DEFAULTS),
     )
+
+
+def one_layer_eagle3_problems(spec: DrafterSpec, owner: str) -> tuple[DecoderLayer, list[str]]:
+    """What every one-layer Llama EAGLE-3 research format fixes: raises for another algorithm or
+    layer count; returns the layer and what else it cannot hold (q/k norm, biases, a window)."""
+    if spec.algorithm.name != "eagle3":
+        raise DrafterError(f"{owner} holds EAGLE-3 drafters only, not {spec.algorithm.name}")
+    if len(spec.layers) != 1:
+        raise DrafterError(
+            f"{owner} EAGLE-3 has exactly one decoder layer; this drafter has {len(spec.layers)}"
+        )
+    layer = spec.layers[0]
+    problems = []
+    if layer.style != "llama":
+        problems.append(f"layer style {layer.style!r} ({owner}'s layer has no q/k norm)")
+    if layer.attention_bias or layer.mlp_bias:
+        problems.append("biases in the layer")
+    if layer.sliding_window is not None:
+        problems.append(f"a sliding window of {layer.sliding_window}")
+    return layer, problems
 
 
 def check_block(spec: DrafterSpec, fmt: str) -> DecoderLayer:

@@ -315,26 +315,13 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
 
 
 def _check_representable(spec: DrafterSpec) -> None:
+    layer, problems = hf.one_layer_eagle3_problems(spec, "SafeAILab")
     algorithm = spec.algorithm
-    if not isinstance(algorithm, Eagle3):
-        raise DrafterError(f"SafeAILab holds EAGLE-3 drafters only, not {algorithm.name}")
-    if len(spec.layers) != 1:
-        raise DrafterError(
-            f"SafeAILab EAGLE-3 has exactly one decoder layer; this drafter has {len(spec.layers)}"
-        )
-    layer = spec.layers[0]
-    problems = []
-    if layer.style != "llama":
-        problems.append(f"layer style {layer.style!r} (SafeAILab's layer has no q/k norm)")
     if layer.head_dim * layer.num_attention_heads != layer.hidden_size:
         problems.append(
             f"head_dim {layer.head_dim} (SafeAILab uses hidden_size / num_attention_heads ="
             f" {layer.hidden_size // layer.num_attention_heads})"
         )
-    if layer.attention_bias or layer.mlp_bias:
-        problems.append("biases in the layer")
-    if layer.sliding_window is not None:
-        problems.append(f"a sliding window of {layer.sliding_window}")
     if layer.rope_scaling is not None and (
         layer.rope_scaling.get("rope_type") != "linear"
         or set(layer.rope_scaling) != {"rope_type", "factor"}

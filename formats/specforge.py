@@ -30,8 +30,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from woodcock.errors import DrafterError
 from woodcock.formats import hf_config as hf
 from woodcock.ir import (
@@ -214,12 +212,9 @@ def prepare(drafter: Drafter) -> hf.Output:
     tensors, sources = hf.output_tensors(drafter, OUT_RENAMES)
     # SpecForge always carries both buffers (identity when the vocabulary is full); the SGLang
     # exporter refuses a checkpoint without them.
-    ids = drafter.vocab.target_ids(spec)
-    t2d = np.zeros(spec.target.vocab_size, dtype=np.bool_)
-    t2d[ids] = True
-    tensors["d2t"] = ids - np.arange(spec.draft_vocab_size, dtype=np.int64)
-    tensors["t2d"] = t2d
-    sources["d2t"] = sources["t2d"] = "(vocabulary map)"
+    for name, array in hf.offsets_and_mask(drafter).items():
+        tensors[name] = array
+        sources[name] = "(vocabulary map)"
     return hf.Output(config, tensors, sources)
 
 
@@ -228,21 +223,8 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
 
 
 def _check_representable(spec: DrafterSpec) -> None:
+    layer, problems = hf.one_layer_eagle3_problems(spec, "SpecForge")
     algorithm = spec.algorithm
-    if not isinstance(algorithm, Eagle3):
-        raise DrafterError(f"SpecForge EAGLE-3 holds EAGLE-3 drafters only, not {algorithm.name}")
-    if len(spec.layers) != 1:
-        raise DrafterError(
-            f"SpecForge EAGLE-3 has exactly one decoder layer; this drafter has {len(spec.layers)}"
-        )
-    layer = spec.layers[0]
-    problems = []
-    if layer.style != "llama":
-        problems.append(f"layer style {layer.style!r} (SpecForge's layer has no q/k norm)")
-    if layer.attention_bias or layer.mlp_bias:
-        problems.append("biases in the layer")
-    if layer.sliding_window is not None:
-        problems.append(f"a sliding window of {layer.sliding_window}")
     if layer.rope_scaling is not None and (
         layer.rope_scaling.get("rope_type") not in ROPE_TYPES
         or (layer.rope_scaling["rope_type"] == "llama3" and set(layer.rope_scaling) != LLAMA3_KEYS)

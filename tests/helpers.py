@@ -1,5 +1,6 @@
 """Shared test helpers (tests/ is on sys.path under pytest)."""
 
+import json
 import mmap
 
 import numpy as np
@@ -42,6 +43,34 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
         code = e.code or 0
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def write_corpus_prompts(path, count, start=0):
+    """`count` short prompts of the demo corpus's words, one {"id", "prompt"} a line."""
+    from woodcock.demo import CORPUS
+
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for i in range(start, start + count):
+            j = (7 * i) % (len(words) - 3)
+            f.write(
+                json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}) + "\n"
+            )
+    return path
+
+
+def distilled_tiny_target(root, *, max_tokens: int, batch: int = 8):
+    """`root`/target (the demo's tiny target) and `root`/data, its greedy answers to 30 corpus
+    prompts (`woodcock distill`)."""
+    from woodcock.demo import write_tiny_target
+    from woodcock.train.cli import app
+
+    target = write_tiny_target(root / "target")
+    prompts = write_corpus_prompts(root / "prompts.jsonl", 30)
+    argv = ["distill", "--target", str(target), "--prompts", str(prompts), "--out",
+            str(root / "data"), "--max-tokens", str(max_tokens), "--batch", str(batch), "--no-chat"]  # fmt: skip
+    app(argv, standalone_mode=False)
+    return root
 
 
 def json_strings(record):

@@ -199,7 +199,7 @@ def test_the_refusals_say_why(tmp_path, capsys):
     """Three refusals users meet, and what their one line says."""
     cases = [
         (CASES["dspark-shared-head"][0], "safeailab", "SafeAILab holds EAGLE-3 drafters only"),
-        (CASES["dspark-shared-head"][0], "specforge", "SpecForge EAGLE-3 holds EAGLE-3"),
+        (CASES["dspark-shared-head"][0], "specforge", "SpecForge holds EAGLE-3"),
         (
             CASES["dflash-reduced-vocab"][0],
             "zlab-dflash",

@@ -8,11 +8,16 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate_tokens, json_strings, plain_greedy
+from helpers import (
+    distilled_tiny_target,
+    generate_tokens,
+    json_strings,
+    plain_greedy,
+    write_corpus_prompts,
+)
 from mlx.utils import tree_unflatten
 from mlx_lm import load
 
-from woodcock.demo import CORPUS, write_tiny_target
 from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.loading import load_drafter
@@ -37,39 +42,9 @@ def run_cli(args):
     app(args, standalone_mode=False)
 
 
-def write_prompts(path, count, start=0):
-    words = " ".join(CORPUS).split()
-    with open(path, "w") as f:
-        for i in range(start, start + count):
-            j = (7 * i) % (len(words) - 3)
-            f.write(
-                json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}) + "\n"
-            )
-    return path
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    target = write_tiny_target(root / "target")
-    prompts = write_prompts(root / "prompts.jsonl", 30)
-    run_cli(
-        [
-            "distill",
-            "--target",
-            str(target),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(root / "data"),
-            "--max-tokens",
-            str(MAX_TOKENS),
-            "--batch",
-            "8",
-            "--no-chat",
-        ]
-    )
-    return root
+    return distilled_tiny_target(tmp_path_factory.mktemp("train"), max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +99,7 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     lines = (work / "data" / ANSWERS).read_text().splitlines()
     (data / ANSWERS).write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])
     (data / "distill.json").write_text((work / "data" / "distill.json").read_text())
-    prompts = write_prompts(tmp_path / "more.jsonl", 33)
+    prompts = write_corpus_prompts(tmp_path / "more.jsonl", 33)
     report = distill(
         str(work / "target"), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False
     )
@@ -413,7 +388,7 @@ def test_distill_and_train_default_to_the_default_target(work, tmp_path, monkeyp
     import woodcock.default_target
 
     monkeypatch.setattr(woodcock.default_target, "default_target_path", lambda: work / "target")
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    prompts = write_corpus_prompts(tmp_path / "prompts.jsonl", 4)
     data = tmp_path / "data"
     run_cli(
         ["distill", "--prompts", str(prompts), "--out", str(data), "--max-tokens", "4", "--no-chat"]

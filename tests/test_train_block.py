@@ -10,13 +10,12 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate_tokens, json_strings
+from helpers import distilled_tiny_target, generate_tokens, json_strings
 from mlx.utils import tree_unflatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from woodcock.conversion import convert
-from woodcock.demo import CORPUS, write_tiny_target
 from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.ir import Drafter, VocabMap
@@ -51,29 +50,7 @@ def run_cli(args):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_block")
-    target = write_tiny_target(root / "target")
-    words = " ".join(CORPUS).split()
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(30):
-            j = (7 * i) % (len(words) - 3)
-            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[j : j + 1 + i % 3])}))
-            f.write("\n")
-    run_cli(
-        [
-            "distill",
-            "--target",
-            str(target),
-            "--prompts",
-            str(root / "prompts.jsonl"),
-            "--out",
-            str(root / "data"),
-            "--max-tokens",
-            "40",
-            "--no-chat",
-        ]
-    )
-    return root
+    return distilled_tiny_target(tmp_path_factory.mktemp("train_block"), max_tokens=40)
 
 
 @pytest.fixture(scope="module")
