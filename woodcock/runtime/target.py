@@ -46,6 +46,27 @@ class _Recorder:
         return getattr(self.layer, name)
 
 
+@contextlib.contextmanager
+def recording(layers: list, layer_ids: Sequence[int]) -> Iterator[list]:
+    """Swap the entries of a model's layer list (in place) for recorders for the length of a
+    forward. Once the block has exited, the yielded list holds the tapped states in the
+    canonical convention (id 0: the first layer's input, id L: layer L's output), ascending.
+    The runtime's target and training's feature runner both record through it."""
+    wanted = sorted(set(layer_ids))
+    originals = list(layers)
+    recorders = [
+        _Recorder(layer, keep_input=(i == 0 and 0 in wanted), keep_output=(i + 1) in wanted)
+        for i, layer in enumerate(originals)
+    ]
+    states: list = []
+    layers[:] = recorders
+    try:
+        yield states
+    finally:
+        layers[:] = originals
+    states.extend(recorders[0].input if i == 0 else recorders[i - 1].output for i in wanted)
+
+
 def _rollback_cache(model: nn.Module) -> list:
     """mlx-lm's cache for the model, with every rotating (sliding-window) layer cache replaced by
     a plain one: a rotating cache that has wrapped cannot drop rejected tokens, and the window
@@ -87,28 +108,13 @@ class MlxTarget:
     def reset(self) -> None:
         self.cache = _rollback_cache(self.model)
 
-    @contextlib.contextmanager
-    def _recording(self) -> Iterator[list[_Recorder]]:
-        wanted = set(self.layer_ids)
-        originals = list(self.layers)
-        recorders = [
-            _Recorder(layer, keep_input=(i == 0 and 0 in wanted), keep_output=(i + 1) in wanted)
-            for i, layer in enumerate(originals)
-        ]
-        self.layers[:] = recorders
-        try:
-            yield recorders
-        finally:
-            self.layers[:] = originals
-
     def forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """tokens [T] after the cached ones -> (logits [T, V], taps [T, A*Ht], ascending ids).
         Lazy: nothing is evaluated here."""
         several_on_cpu = tokens.shape[0] > 1 and mx.default_device().type == mx.cpu
         swaps = self._kernel_swaps if several_on_cpu else []
-        with self._recording() as recorders, swapped_in(swaps):
+        with recording(self.layers, self.layer_ids) as states, swapped_in(swaps):
             logits = self.model(tokens[None], cache=self.cache)
-        states = [recorders[0].input if i == 0 else recorders[i - 1].output for i in self.layer_ids]
         if not states:  # a drafter that reads no hidden states (n-gram)
             return logits[0], mx.zeros((tokens.shape[0], 0))
         return logits[0], mx.concatenate([s[0] for s in states], axis=-1)

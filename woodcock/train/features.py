@@ -3,10 +3,9 @@ once and cached on disk in fp16 (with a per-row exponent), keyed by the target, 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,39 +19,6 @@ if TYPE_CHECKING:
     from woodcock.train.data import Sample
 
 FEATURES_VERSION = 2
-
-
-@contextlib.contextmanager
-def recording(layers: list, layer_ids: Sequence[int]) -> Iterator[list]:
-    """Swap the entries of a model's layer list for recorders for the length of a forward; the
-    yielded list then holds the tapped states in the canonical convention (id 0: the first
-    layer's input, id L: layer L's output), ascending."""
-    wanted = set(layer_ids)
-    originals = list(layers)
-    seen: dict[int, Any] = {}
-
-    class Tap:
-        def __init__(self, index: int, layer):
-            self.index, self.layer = index, layer
-
-        def __call__(self, x, *args, **kwargs):
-            if self.index == 0 and 0 in wanted:
-                seen[0] = x
-            out = self.layer(x, *args, **kwargs)
-            if self.index + 1 in wanted:
-                seen[self.index + 1] = out
-            return out
-
-        def __getattr__(self, name):
-            return getattr(self.layer, name)
-
-    states: list = []
-    layers[:] = [Tap(i, layer) for i, layer in enumerate(originals)]
-    try:
-        yield states
-    finally:
-        layers[:] = originals
-        states.extend(seen[i] for i in sorted(wanted) if i in seen)
 
 
 FP16_RANGE = 2.0**15  # the top of fp16's largest binade
@@ -122,6 +88,8 @@ class TargetRunner:
         """tokens int32 [B, L] (right-padded) -> taps [B, L, A*Ht] and final hidden [B, L, Ht]
         as `to_fp16` stores them (with their exponents), argmax int32 [B, L]."""
         import mlx.core as mx
+
+        from woodcock.runtime.target import recording
 
         x = mx.array(tokens)
         inner = self.model.model
