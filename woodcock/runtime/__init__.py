@@ -1,2 +1,5 @@
-"""The MLX runtime: drafters (`eagle3.Eagle3Drafter`) built from the MLX building blocks in
-`layers`, and their parity with the torch reference (`parity`)."""
+"""The MLX runtime: the target adapter that records taps and rolls back its KV cache
+(`target`), the drafters (`eagle3` chains, `block` DFlash/DSpark, `ngram` prompt lookup) built
+from `layers`, the speculative loop (`decode`), draft-length policies (`policy`, `latency`),
+sampling, text and stop rules (`sampling`, `generate`), a loaded target+drafter pair
+(`session`), and parity with the torch reference (`parity`)."""

@@ -2,8 +2,8 @@
 random target features and tokens, in fp32: the max |diff| of every intermediate tensor and of
 every step's logits, and whether the greedy tokens agree. Needs the `torch` extra.
 
-`parity` dispatches on the algorithm; block drafters (DFlash/DSpark) get their own function here
-once their MLX runtime exists.
+`parity` dispatches on the algorithm: `eagle3_parity` steps a chain, `block_parity` runs one
+DFlash/DSpark block (Markov head and confidence head included).
 """
 
 from __future__ import annotations
