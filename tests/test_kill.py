@@ -73,16 +73,15 @@ def timed_run(*args) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def kill(process: subprocess.Popen) -> bool:
-    """SIGKILL `process`; whether it was still running (else it had finished by itself)."""
-    running = process.poll() is None
-    if running:
+    """SIGKILL `process`; whether the signal ended it (else it had finished by itself, possibly
+    between the check and the signal)."""
+    if process.poll() is None:
         process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=RUN_TIMEOUT)
-    if running:
-        assert process.returncode == -signal.SIGKILL
-    else:
-        assert process.returncode == 0, process.stderr.read() if process.stderr else ""
-    return running
+    _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+    if process.returncode == -signal.SIGKILL:
+        return True
+    assert process.returncode == 0, stderr
+    return False
 
 
 def kill_when(process: subprocess.Popen, ready, delay: float = 0.0) -> bool:
