@@ -18,3 +18,9 @@ def shipped_drafter(name: str = DEFAULT) -> Path:
     if not (path / "woodcock.json").is_file():
         raise DrafterError(f"{path}: the shipped drafter {name!r} is missing; pass --drafter")
     return path
+
+
+def shipped_names() -> list[str]:
+    """The folder names of every shipped drafter."""
+    root = Path(str(files(__name__)))
+    return sorted(p.name for p in root.iterdir() if (p / "woodcock.json").is_file())

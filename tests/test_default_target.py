@@ -355,3 +355,20 @@ def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, ca
     detokenizer.finalize()
     assert report["text"] == detokenizer.text and "Paris" in report["text"]
     assert report["rounds"] >= 1
+
+
+def test_a_shipped_drafter_is_named_by_its_folder(tmp_path, monkeypatch):
+    from woodcock.default_target import resolve_pair
+    from woodcock.drafters import shipped_drafter, shipped_names
+
+    assert "smollm2-135m-eagle3" in shipped_names()
+    monkeypatch.chdir(tmp_path)
+    target = str(tmp_path / "target")
+    assert resolve_pair(target, "smollm2-135m-eagle3@64") == (
+        target,
+        f"{shipped_drafter('smollm2-135m-eagle3')}@64",
+    )
+    # a local folder of that name, and anything else, is left to the loader
+    (tmp_path / "smollm2-135m-eagle3").mkdir()
+    assert resolve_pair(target, "smollm2-135m-eagle3")[1] == "smollm2-135m-eagle3"
+    assert resolve_pair(target, "org/smollm2-135m-eagle3")[1] == "org/smollm2-135m-eagle3"

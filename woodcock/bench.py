@@ -114,39 +114,63 @@ def ideal_seconds(
     return plain, rounds
 
 
+@dataclass
+class BenchRun:
+    """One way of decoding measured against the shared baseline: a session (target, drafter and
+    prompt lookup or not), a policy, and the latency profile that prices its rounds."""
+
+    drafter: str  # as the user named it
+    policy: str
+    session: object
+    make_policy: Callable[[], object]
+    profile: LatencyProfile
+
+    @property
+    def lookup(self) -> bool:
+        return self.session.lookup is not None
+
+    @property
+    def label(self) -> str:
+        return f"{self.drafter}, policy {self.policy}, {'with' if self.lookup else 'no'} lookup"
+
+
 def run_bench(
-    session,
+    runs: Sequence[BenchRun],
     prompts,
     *,
-    policy_factory: Callable[[], object],
-    profile: LatencyProfile,
     max_tokens: int,
     chat: bool = True,
     progress: Callable[[], None] = lambda: None,
-) -> list[DomainResult]:
-    """One policy object across all prompts (an adaptive policy keeps learning), prompts in the
-    given order, baseline then woodcock for each; `profile` prices the rounds each run made."""
-    policy = policy_factory()
-    results: dict[str, DomainResult] = {}
+) -> list[list[DomainResult]]:
+    """Prompt by prompt: plain decoding once (with the first run's target), then every run in
+    turn, so a machine's drift reaches all of them alike. Each run keeps one policy object across
+    all prompts (an adaptive policy keeps learning); its profile prices the rounds it made.
+    -> the results by domain, one list per run."""
+    policies = [run.make_policy() for run in runs]
+    results: list[dict[str, DomainResult]] = [{} for _ in runs]
+    first = runs[0].session
     for prompt in prompts:
-        ids = encode_prompt(session.tokenizer, prompt.prompt, chat=chat)
+        ids = encode_prompt(first.tokenizer, prompt.prompt, chat=chat)
         expected, baseline_seconds = baseline_generate(
-            session.model, session.tokenizer, ids, max_tokens
+            first.model, first.tokenizer, ids, max_tokens
         )
-        ours = generate(session, ids, max_tokens=max_tokens, policy=policy, sampling=Sampling())
-        result = results.setdefault(prompt.domain, DomainResult(prompt.domain))
-        result.prompts += 1
-        result.identical += ours.tokens == expected
-        result.baseline_tokens += len(expected)
-        result.baseline_seconds += baseline_seconds
-        result.woodcock_tokens += len(ours.tokens)
-        result.woodcock_seconds += ours.generation_seconds
-        plain, rounds = ideal_seconds(ours.stats, profile, session.head_label)
-        result.ideal_baseline_seconds += plain
-        result.ideal_woodcock_seconds += rounds
-        result.add_stats(ours.stats)
-        progress()
-    return list(results.values())
+        for run, policy, by_domain in zip(runs, policies, results, strict=True):
+            ours = generate(
+                run.session, ids, max_tokens=max_tokens, policy=policy, sampling=Sampling()
+            )
+            result = by_domain.setdefault(prompt.domain, DomainResult(prompt.domain))
+            result.prompts += 1
+            result.identical += ours.tokens == expected
+            result.baseline_tokens += len(expected)
+            result.baseline_seconds += baseline_seconds
+            result.woodcock_tokens += len(ours.tokens)
+            result.woodcock_seconds += ours.generation_seconds
+            plain, rounds = ideal_seconds(ours.stats, run.profile, run.session.head_label)
+            result.ideal_baseline_seconds += plain
+            result.ideal_woodcock_seconds += rounds
+            result.add_stats(ours.stats)
+            progress()
+    return [list(by_domain.values()) for by_domain in results]
 
 
 def summary_rows(results: list[DomainResult]) -> list[dict]:
@@ -175,22 +199,41 @@ def render_table(rows: list[dict]) -> str:
     total = rows[-1]
     verdict = "identical" if total["identical"] == total["prompts"] else "DIFFERENT"
     lines.append(
-        "ideal: the speed-up this machine's latency profile predicts for these rounds (drafting"
-        " and verifying at the measured cost, plain decoding at one-token steps); of ideal:"
-        " measured / ideal"
-    )
-    lines.append(
-        "copied: share of rounds that copied from the context (prompt lookup) instead of drafting"
-    )
-    lines.append(
         f"greedy outputs {verdict} to plain mlx-lm decoding on {total['identical']} of"
         f" {total['prompts']} prompts"
     )
     return "\n".join(lines)
 
 
-def write_chart(rows: list[dict], path: str) -> None:
-    """Acceptance by position per domain, and speedup by domain, as one PNG."""
+def render_comparison(labelled: Sequence[tuple[str, list[dict]]]) -> str:
+    """Every run's all-domain row, one line each, in the order they ran."""
+    width = max(len(label) for label, _ in labelled) + 2
+    header = (
+        f"{'run':<{width}}{'woodcock tok/s':>15}{'speedup':>9}{'ideal':>8}{'of ideal':>10}"
+        f"{'tok/round':>11}{'identical':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for label, rows in labelled:
+        total = rows[-1]
+        lines.append(
+            f"{label:<{width}}{total['woodcock_tps']:>15.1f}{total['speedup']:>8.2f}x"
+            f"{total['ideal_speedup']:>7.2f}x{total['measured_over_ideal']:>10.0%}"
+            f"{total['tokens_per_round']:>11.2f}{total['identical']:>7} / {total['prompts']}"
+        )
+    return "\n".join(lines)
+
+
+TABLE_NOTES = (
+    "ideal: the speed-up this machine's latency profile predicts for these rounds (drafting and"
+    " verifying at the measured cost, plain decoding at one-token steps); of ideal: measured /"
+    " ideal\n"
+    "copied: share of rounds that copied from the context (prompt lookup) instead of drafting"
+)
+
+
+def write_chart(labelled: Sequence[tuple[str, list[dict]]], path: str) -> None:
+    """One PNG: acceptance by draft position over all domains, one line per run, and the speed-up
+    by domain, one bar per run."""
     try:
         import matplotlib
 
@@ -200,15 +243,19 @@ def write_chart(rows: list[dict], path: str) -> None:
         from woodcock.errors import DrafterError
 
         raise DrafterError("--chart needs matplotlib: pip install 'woodcock[bench]'") from None
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for row in rows:
-        rates = row["acceptance_by_position"]
-        left.plot(range(1, len(rates) + 1), rates, marker="o", label=row["domain"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(labelled)
+    for index, (label, rows) in enumerate(labelled):
+        rates = rows[-1]["acceptance_by_position"]
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+        positions = [i + (index - (len(labelled) - 1) / 2) * width for i in range(len(rows))]
+        right.bar(positions, [r["speedup"] for r in rows], width, label=label)
+    domains = [r["domain"] for r in labelled[0][1]]
     left.set(
         xlabel="draft position", ylabel="acceptance", ylim=(0, 1), title="Acceptance by position"
     )
-    left.legend()
-    right.bar([r["domain"] for r in rows], [r["speedup"] for r in rows])
+    left.legend(fontsize="small")
+    right.set_xticks(range(len(domains)), domains)
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(ylabel="speedup vs mlx-lm", title="Speedup by domain")
     figure.tight_layout()

@@ -463,11 +463,23 @@ def latency(
 
 @app.command()
 def bench(
-    drafter: Annotated[
-        str | None, typer.Option("--drafter", help="Drafter (as for generate).")
+    drafters: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--drafter",
+            help="Drafter (as for generate); give it more than once to compare drafters in one"
+            " run.",
+        ),
     ] = None,
     target: DefaultableTarget = None,
-    policy: Annotated[str, typer.Option("--policy", help="As for generate.")] = "auto",
+    policies: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy",
+            help="As for generate (default auto); give it more than once to compare policies. A"
+            " policy that does not apply to a drafter (confidence to EAGLE-3) is left out for it.",
+        ),
+    ] = None,
     domains: Annotated[
         str | None,
         typer.Option(
@@ -489,79 +501,136 @@ def bench(
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     lookup: LookupOption = True,
+    compare_lookup: Annotated[
+        bool,
+        typer.Option(
+            "--compare-lookup", help="Run every drafter and policy with prompt lookup and without."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     chart: Annotated[Path | None, typer.Option("--chart", help="Write a PNG chart.")] = None,
 ) -> None:
     """Plain mlx-lm greedy decoding against woodcock on the same prompts, interleaved in one
-    process: speed per domain, tokens per round, acceptance, and whether outputs are identical."""
+    process (each prompt: plain decoding once, then every drafter, policy and lookup setting
+    asked for): speed per domain, tokens per round, acceptance, and whether outputs are
+    identical."""
+    from rich.console import Console
     from rich.progress import Progress
 
-    from woodcock.bench import render_table, run_bench, summary_rows, write_chart
+    from woodcock.bench import (
+        TABLE_NOTES,
+        render_comparison,
+        render_table,
+        run_bench,
+        summary_rows,
+        write_chart,
+    )
     from woodcock.prompts import load_prompt_file, load_prompts
-    from woodcock.runtime.latency import LatencyProfile
     from woodcock.runtime.machine import machine_facts, warn_slow_paths
-    from woodcock.runtime.policy import parse_policy
-    from woodcock.runtime.session import open_session
 
     chosen = domains.split(",") if domains is not None else None
     if prompt_file is not None:
         selected = load_prompt_file(prompt_file, chosen, limit_per_domain=prompts)
     else:
         selected = load_prompts(chosen, limit_per_domain=prompts)
-    pair = resolve_pair(target, drafter)
-    session = open_session(*pair, dtype=dtype, lookup=lookup)
-    policy = _with_latency_file(policy, session, *pair)
-    # the profile the policy decides with, else this machine's, prices the ideal speed-up
-    kind, _, given_file = policy.partition(":")
-    adaptive = kind in ("auto", "confidence")
-    profile = LatencyProfile.load(given_file if adaptive else _latency_file(session, *pair))
-
-    def make_policy():
-        return parse_policy(
-            policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
-        )
-
-    with Progress(transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(selected))
+    lookups = (True, False) if compare_lookup else (lookup,)
+    runs = _bench_runs(target, drafters or [None], policies or ["auto"], lookups, dtype)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(selected) * len(runs))
         results = run_bench(
-            session,
+            runs,
             selected,
-            policy_factory=make_policy,
-            profile=profile,
             max_tokens=max_tokens,
             chat=chat,
             progress=lambda: progress.advance(task),
         )
-    rows = summary_rows(results)
-    facts = machine_facts(session.dtype_name)
+    labelled = [
+        (run.label, summary_rows(result)) for run, result in zip(runs, results, strict=True)
+    ]
+    facts = machine_facts(runs[0].session.dtype_name)
     if chart is not None:
-        write_chart(rows, str(chart))
+        write_chart(labelled, str(chart))
     if as_json:
         typer.echo(
             json.dumps(
                 {
-                    "policy": policy,
-                    "lookup": session.lookup is not None,
                     "max_tokens": max_tokens,
-                    "rows": rows,
+                    "runs": [
+                        {
+                            "drafter": run.drafter,
+                            "policy": run.policy,
+                            "lookup": run.lookup,
+                            "rows": rows,
+                        }
+                        for run, (_, rows) in zip(runs, labelled, strict=True)
+                    ],
                     "machine": facts,
                 },
                 indent=2,
             )
         )
     else:
-        typer.echo(render_table(rows))
+        for label, rows in labelled:
+            typer.echo(f"{label}\n{render_table(rows)}\n")
+        if len(runs) > 1:
+            baseline = labelled[0][1][-1]["baseline_tps"]
+            typer.echo(f"plain mlx-lm decoding: {baseline:.1f} tok/s")
+            typer.echo(render_comparison(labelled) + "\n")
         backend = (facts.get("mlx") or {}).get("backend")
         blas = (facts.get("blas") or {}).get("library") or "unknown"
         threads = facts.get("openblas_num_threads") if blas == "openblas" else None
+        typer.echo(TABLE_NOTES)
         typer.echo(
-            f"policy {policy}{' with prompt lookup' if session.lookup else ''},"
-            f" {max_tokens} new tokens, greedy, batch 1; {backend} backend,"
-            f" BLAS {blas}" + (f" on {threads} threads" if threads else "")
+            f"{max_tokens} new tokens, greedy, batch 1; {backend} backend, BLAS {blas}"
+            + (f" on {threads} threads" if threads else "")
         )
     warn_slow_paths(facts)
-    if rows[-1]["identical"] != rows[-1]["prompts"]:
+    if any(rows[-1]["identical"] != rows[-1]["prompts"] for _, rows in labelled):
         raise typer.Exit(1)
+
+
+def _bench_runs(target, drafters, policies, lookups, dtype) -> list:
+    """Every (drafter, policy, lookup) asked for, in that order, each a BenchRun; the target is
+    loaded once and shared. A confidence policy is left out for a drafter without blocks."""
+    import dataclasses
+
+    from woodcock.bench import BenchRun
+    from woodcock.runtime.latency import LatencyProfile
+    from woodcock.runtime.policy import parse_policy
+    from woodcock.runtime.session import open_session
+
+    runs, loaded, applied = [], None, set()
+    for drafter in drafters:
+        pair = resolve_pair(target, drafter)
+        session = open_session(*pair, dtype=dtype, loaded=loaded)
+        loaded = (session.model, session.tokenizer)
+        name = drafter if drafter is not None else Path(pair[1]).name
+        for policy in policies:
+            if policy.partition(":")[0] == "confidence" and session.drafter.num_drafts is None:
+                continue
+            applied.add(policy)
+            with_file = _with_latency_file(policy, session, *pair)
+            # the profile an adaptive policy decides with, else this machine's, prices the ideal
+            kind, _, given_file = with_file.partition(":")
+            adaptive = kind in ("auto", "confidence")
+            profile = LatencyProfile.load(given_file if adaptive else _latency_file(session, *pair))
+
+            def make_policy(text=with_file, session=session):
+                return parse_policy(
+                    text, session.drafter, prior=session.holdout_agreement, head=session.head_label
+                )
+
+            make_policy()  # a policy that cannot be built fails before any prompt runs
+            for lookup in lookups:
+                variant = session if lookup else dataclasses.replace(session, lookup=None)
+                runs.append(BenchRun(name, policy, variant, make_policy, profile))
+    for policy in policies:
+        if policy not in applied:
+            raise DrafterError(
+                f"--policy {policy} is for block drafters (DFlash, DSpark): none of the drafters"
+                " given is one"
+            )
+    return runs
 
 
 @app.command()

@@ -56,13 +56,18 @@ def resolve_target(target: str | None) -> str:
 
 def resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
     """(target, drafter) to run: the default target and, for it, the shipped drafter, where the
-    user names neither."""
+    user names neither; a shipped drafter may be named by its folder name."""
+    from woodcock.drafters import shipped_drafter, shipped_names
+
     if drafter is None:
         if target not in (None, DEFAULT_TARGET):
             raise DrafterError("--drafter is required with a target other than the default one")
-        from woodcock.drafters import shipped_drafter
-
         drafter = str(shipped_drafter())
+    else:
+        # A shipped drafter's name, unless a local path of that name exists (@N truncation kept).
+        source, at, truncation = drafter.partition("@")
+        if source in shipped_names() and not Path(source).exists():
+            drafter = str(shipped_drafter(source)) + at + truncation
     return resolve_target(target), drafter
 
 

@@ -131,14 +131,16 @@ def open_session(
     dtype: str | None = None,
     many_heads: bool = False,
     lookup: bool = True,
+    loaded: tuple | None = None,
 ) -> Session:
     """many_heads: the caller measures several head sizes (`drafter_with_head`); otherwise at
     most one size may be given and the session's drafter uses it. lookup: rounds whose recent
-    tokens repeat copy from the context instead of asking the model drafter (PromptLookup)."""
+    tokens repeat copy from the context instead of asking the model drafter (PromptLookup).
+    loaded: (model, tokenizer) of target_source already loaded by another session, to share."""
     choice = DrafterChoice.parse(drafter_text)
     if len(choice.head_sizes) > 1 and not many_heads:
         raise DrafterError(f"--drafter {drafter_text!r}: give one head size here")
-    model, tokenizer = load_mlx_target(target_source)
+    model, tokenizer = loaded or load_mlx_target(target_source)
     compute_dtype = default_dtype(dtype)
     if compute_dtype is not None:
         model.set_dtype(compute_dtype)
