@@ -32,7 +32,12 @@ from woodcock.train.block_model import (
     mask_token_id,
     slot_outputs,
 )
-from woodcock.train.block_trainer import anchor_candidates, spread_anchors, train_anchors
+from woodcock.train.block_trainer import (
+    BlockMetrics,
+    anchor_candidates,
+    spread_anchors,
+    train_anchors,
+)
 from woodcock.train.cli import app
 from woodcock.train.data import Batch
 from woodcock.train.distill import read_answers
@@ -259,6 +264,9 @@ def test_trained_dspark_learns_and_records_holdout_metrics(work, trained):
     assert abs(initial["confidence_mean"] - initial["alpha_mean"]) > 0.04
     assert 1.0 <= last["acceptance_length"] <= 5.0
     assert set(provenance["holdout_definition"]) >= {"accuracy", "acceptance_length"}
+    # the conditional acceptance by slot is the manifest's agreement, the auto policy's prior
+    assert provenance["holdout_agreement"] == last["acceptance_by_slot"]
+    assert len(last["acceptance_by_slot"]) == 4
     recipe = provenance["recipe"]
     assert recipe["algorithm"] == "dspark" and recipe["anchors"] == 8
     assert recipe["mask_token_id"] == algorithm.mask_token_id and "ttt_steps" not in recipe
@@ -437,3 +445,20 @@ def test_init_starts_from_a_trained_block_drafter(work, trained, tmp_path):
         T.train(short_block_run(work, tmp_path / "x", **{**same, "layers": 1}))
     with pytest.raises(DrafterError, match=r"--init .*: algorithm = 'dspark'; this trains"):
         T.train(short_block_run(work, tmp_path / "y", **{**same, "algorithm": "dflash"}))
+
+
+def test_block_metrics_count_acceptance_given_the_earlier_slots_were_accepted():
+    from types import SimpleNamespace
+
+    # three blocks of three slots: right-right-wrong, wrong-right-right, right-right-right
+    correct = np.array([[1, 1, 0], [0, 1, 1], [1, 1, 1]], bool)
+    slot = np.tile(np.arange(3), 3)
+    block = np.repeat(np.arange(3), 3)
+    inputs = SimpleNamespace(slot=slot, block=block, target_argmax=np.zeros(9, np.int64), blocks=3)
+    metrics = BlockMetrics(3)
+    metrics.add(inputs, np.where(correct.ravel(), 0, 1), np.full(9, 0.5), None, np.zeros(9))
+    summary = metrics.summary()
+    assert summary["accuracy"] == pytest.approx([2 / 3, 1.0, 2 / 3])
+    # slot 1 is reached by the two blocks whose slot 0 was right, slot 2 by the same two
+    assert summary["acceptance_by_slot"] == pytest.approx([2 / 3, 1.0, 0.5])
+    assert summary["acceptance_length"] == pytest.approx((3 + 1 + 4) / 3)

@@ -242,6 +242,8 @@ class BlockMetrics:
         self.slots = slots
         self.hits = np.zeros(slots, np.int64)
         self.tried = np.zeros(slots, np.int64)
+        self.reached = np.zeros(slots, np.int64)  # blocks whose earlier slots were all correct
+        self.passed = np.zeros(slots, np.int64)  # ... and this one too
         self.alpha = np.zeros(slots)
         self.confidence = np.zeros(slots)
         self.kl = np.zeros(slots)
@@ -268,11 +270,15 @@ class BlockMetrics:
         grid_alpha[inputs.block, slot] = alpha
         real = present.any(axis=1)
         self.blocks += int(real.sum())
-        self.accepted += float((np.cumprod(grid_correct[real], axis=1).sum(1) + 1).sum())
+        run = np.cumprod(grid_correct[real], axis=1)  # [blocks, slots]: the leading run
+        earlier = np.concatenate([np.ones((run.shape[0], 1), run.dtype), run[:, :-1]], axis=1)
+        self.reached += (earlier * present[real]).sum(0)
+        self.passed += (run * present[real]).sum(0)
+        self.accepted += float((run.sum(1) + 1).sum())
         self.expected += float((np.cumprod(grid_alpha[real], axis=1).sum(1) + 1).sum())
 
     def merge(self, other: BlockMetrics) -> None:
-        for name in ("hits", "tried", "alpha", "confidence", "kl"):
+        for name in ("hits", "tried", "reached", "passed", "alpha", "confidence", "kl"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.has_confidence |= other.has_confidence
         self.blocks += other.blocks
@@ -284,6 +290,9 @@ class BlockMetrics:
         rows = max(int(self.tried.sum()), 1)
         out: dict[str, Any] = {
             "accuracy": [round(float(x), 6) for x in self.hits / tried],
+            "acceptance_by_slot": [
+                round(float(x), 6) for x in self.passed / np.maximum(self.reached, 1)
+            ],
             "acceptance_length": round(self.accepted / self.blocks, 6) if self.blocks else 0.0,
             "expected_acceptance_length": round(self.expected / self.blocks, 6)
             if self.blocks
@@ -305,6 +314,11 @@ HOLDOUT_DEFINITIONS = {
         "by draft slot: share of hold-out blocks whose slot's argmax (a target id) equals the"
         " target's full-vocabulary argmax at the position it predicts, Markov head fed the"
         " ground-truth previous token"
+    ),
+    "acceptance_by_slot": (
+        "by draft slot: among hold-out blocks whose earlier slots were all correct, the share"
+        " whose slot is correct too: the greedy acceptance rate at that position given the"
+        " earlier drafts were accepted (the manifest's holdout_agreement, auto's prior)"
     ),
     "acceptance_length": (
         "mean over hold-out blocks of 1 + the leading run of correct slots: the tokens one"
@@ -373,6 +387,8 @@ class BlockRun:
         report.holdout, report.holdout_initial = last, initial
         strip = {k.removeprefix("holdout_"): v for k, v in last.items()}
         return {
+            # the same figure an EAGLE-3 drafter records: the auto policy's prior
+            "holdout_agreement": strip["acceptance_by_slot"],
             "holdout": strip,
             "holdout_initial": {k.removeprefix("holdout_"): v for k, v in initial.items()},
             "holdout_definition": HOLDOUT_DEFINITIONS,
