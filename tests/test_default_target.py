@@ -14,6 +14,7 @@ from tokenizers import pre_tokenizers
 
 from woodcock import default_target
 from woodcock.default_target import DEFAULT_TARGET, PACKAGE, default_target_path
+from woodcock.drafters import shipped_names
 from woodcock.errors import DrafterError
 from woodcock.gguf import convert_gguf, unpermute_qk
 
@@ -328,8 +329,10 @@ def test_tiny_check_catches_a_wrong_qk_order(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, capsys):
-    """No --target, no --drafter: SmolLM2 and the shipped drafter; greedy text is the target's."""
+@pytest.mark.parametrize("drafter", [None, *shipped_names()])
+def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, capsys, drafter):
+    """No --target, no --drafter: SmolLM2 and the default shipped drafter; or every shipped
+    drafter by name, drafting three tokens a round. Greedy text is the target's."""
     from helpers import run_cli
     from mlx_lm.generate import generate_step
 
@@ -338,8 +341,9 @@ def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, ca
     cache, _ = smollm2
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     question = "What is the capital of France?"
+    named = [] if drafter is None else ["--drafter", drafter, "--policy", "fixed:3"]
     code, out, err = run_cli(
-        ["generate", "--prompt", question, "--max-tokens", "24", "--json"], capsys
+        ["generate", "--prompt", question, "--max-tokens", "24", "--json", *named], capsys
     )
     assert code == 0, err
     report = json.loads(out)

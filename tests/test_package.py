@@ -80,3 +80,26 @@ def test_every_format_module_follows_the_protocol():
     for fmt in FORMATS:
         assert isinstance(fmt, DrafterFormat), fmt.__name__
         assert fmt.LAYER_CONVENTION in ("after_layers", "layer_output"), fmt.__name__
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-eagle3", "smollm2-135m-dspark"])
+def test_every_shipped_drafter_fits_the_default_target_and_records_its_holdout(name):
+    from woodcock.drafters import shipped_drafter, shipped_names
+    from woodcock.formats import native
+    from woodcock.loading import load_drafter
+
+    assert name in shipped_names()
+    path = shipped_drafter(name)
+    drafter = load_drafter(str(path))
+    target = drafter.spec.target
+    assert (target.num_hidden_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    assert drafter.spec.taps.layer_ids == (2, 15, 27)
+    provenance = native.read_provenance(path)
+    agreement = provenance["holdout_agreement"]
+    assert agreement and all(0.0 < a <= 1.0 for a in agreement)
+    readme = (path / "README.md").read_text(encoding="utf-8")
+    assert f"# {name}\n" in readme and "woodcock train" in readme and "woodcock distill" in readme
+    if drafter.spec.is_block:
+        holdout = provenance["holdout"]
+        assert len(holdout["accuracy"]) == drafter.spec.algorithm.num_drafts
+        assert holdout["acceptance_length"] > 1.0 and f"{holdout['acceptance_length']:.3f}" in readme
