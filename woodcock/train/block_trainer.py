@@ -249,7 +249,6 @@ class BlockMetrics:
         self.kl = np.zeros(slots)
         self.has_confidence = False
         self.blocks = 0
-        self.accepted = 0.0  # sum over blocks of 1 + leading run of correct slots
         self.expected = 0.0  # sum over blocks of 1 + sum_k prod_{j<=k} alpha_j
 
     def add(self, inputs: BlockInputs, drafts, alpha, confidence, kl) -> None:
@@ -274,7 +273,6 @@ class BlockMetrics:
         earlier = np.concatenate([np.ones((run.shape[0], 1), run.dtype), run[:, :-1]], axis=1)
         self.reached += (earlier * present[real]).sum(0)
         self.passed += (run * present[real]).sum(0)
-        self.accepted += float((run.sum(1) + 1).sum())
         self.expected += float((np.cumprod(grid_alpha[real], axis=1).sum(1) + 1).sum())
 
     def merge(self, other: BlockMetrics) -> None:
@@ -282,7 +280,6 @@ class BlockMetrics:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.has_confidence |= other.has_confidence
         self.blocks += other.blocks
-        self.accepted += other.accepted
         self.expected += other.expected
 
     def summary(self) -> dict[str, Any]:
@@ -293,7 +290,10 @@ class BlockMetrics:
             "acceptance_by_slot": [
                 round(float(x), 6) for x in self.passed / np.maximum(self.reached, 1)
             ],
-            "acceptance_length": round(self.accepted / self.blocks, 6) if self.blocks else 0.0,
+            # each block emits 1 + its leading run of correct slots
+            "acceptance_length": round(1 + self.passed.sum() / self.blocks, 6)
+            if self.blocks
+            else 0.0,
             "expected_acceptance_length": round(self.expected / self.blocks, 6)
             if self.blocks
             else 0.0,
