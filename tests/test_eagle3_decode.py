@@ -256,3 +256,30 @@ def test_auto_policy_extends_drafts_as_far_as_the_profile_says_it_pays(tmp_path)
     # one estimate for copies of a length, in a round of their own or after drafts
     assert failing.copy_length(64, 4) < policy(0.001, 0.6).copy_length(64, 4)
     assert failing.extension_length(64, 2, 6) == policy(0.001, 0.6).extension_length(64, 2, 6) > 0
+
+
+def test_auto_policy_tries_a_drafter_whose_prior_is_below_break_even(tmp_path):
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    file = tmp_path / "profile.json"
+    # one draft pays when more than 0.55 of first drafts are accepted
+    verify = [0.02 + 0.01 * (k - 1) for k in range(1, 17)]
+    profile = {"verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.001] * 7}}
+    write_profile(file, {"draft_kind": "chain", **profile})
+
+    def drafting_rounds(accepted_share: float) -> list[int]:
+        policy = AutoPolicy(LatencyProfile.load(file), max_length=7, prior=[0.45] * 7)
+        assert policy.profile.best_length(policy.acceptance(), 64) == 0  # the mean never drafts
+        rounds = []
+        for _ in range(300):
+            if length := policy.draft_length(64):
+                verified = policy.verify_length(64, np.ones(length), None)
+                policy.observe(verified, verified if accepted_share == 1 else 0)
+            rounds.append(length)
+        return rounds
+
+    good, bad = drafting_rounds(1.0), drafting_rounds(0.0)
+    assert sum(k > 0 for k in good[-100:]) >= 95 and max(good) > 1  # found it pays, and longer
+    assert 0 < sum(k > 0 for k in bad) <= 10  # tried, and soon left alone
+    assert drafting_rounds(1.0) == good  # the draws are seeded: the same rounds again

@@ -5,9 +5,9 @@ fixed:K              draft and verify K
 confidence:FILE      block drafters with a confidence head: draft a block, verify the prefix
                      that maximises expected tokens per second from the cumulative product of
                      the per-slot confidences and the measured verification cost
-auto:FILE            chain drafters: choose K before each round from a running estimate of
-                     acceptance by position and the latency curve; then verify only as far as
-                     the drafter's own probabilities say is worth it
+auto:FILE            choose K before each round from acceptance by position, drawn from what
+                     verification has shown so far, and the latency curve; then verify only as
+                     far as the drafter's own probabilities say is worth it
 
 Both adaptive policies may choose 0: a plain decoding step, when the profile says that no draft
 (or no verified prefix) is expected to be faster than decoding one token.
@@ -120,13 +120,22 @@ class AcceptanceEstimate:
         self.accepted = np.zeros(self.length)
 
     def rates(self) -> list[float]:
-        prior = np.array(
-            [self.prior[j] if j < len(self.prior) else 0.6 for j in range(self.length)]
-        )
-        a, b = prior * self.strength, (1 - prior) * self.strength
+        a, b = self._prior_counts()
         if self.tied:
             return list((self.accepted.sum() + a) / (self.tried.sum() + a + b))
         return list((self.accepted + a) / (self.tried + a + b))
+
+    def draw(self, rng: np.random.Generator) -> list[float]:
+        """One plausible acceptance by position: a draw from each position's Beta posterior
+        (untied)."""
+        a, b = self._prior_counts()
+        return list(rng.beta(self.accepted + a, self.tried - self.accepted + b))
+
+    def _prior_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        prior = np.array(
+            [self.prior[j] if j < len(self.prior) else 0.6 for j in range(self.length)]
+        )
+        return prior * self.strength, (1 - prior) * self.strength
 
     def observe(self, verified: int, accepted: int) -> None:
         # position j was tried when all before it were accepted
@@ -142,7 +151,15 @@ class AutoPolicy:
     proposed copy length, since the lookup proposes longer copies after longer matches and those
     are accepted far more often (on the default pair's 40 greedy benchmark answers: 0.52 of
     first copied tokens after a two-token match, 0.96 after eight or more), with `copy_prior`
-    (0.83 there over all matches, rounded down)."""
+    (0.83 there over all matches, rounded down).
+
+    The draft length is chosen each round from a draw of the drafts' acceptance (Thompson
+    sampling), not from its mean: a drafter whose prior sits just below break-even would
+    otherwise never draft, so never be verified, and never show whether it pays (the shipped
+    DSpark drafter, at a hold-out 0.39 for its first slot, decoded plainly in every round that
+    way). The draws narrow as rounds are verified, so a drafter that does not pay is soon tried
+    only rarely. `seed` makes the draws, and so the speed, repeatable; the output never depends
+    on them. Copies keep the mean: their prior sits far above break-even, so they are tried."""
 
     profile: LatencyProfile
     max_length: int = MAX_VERIFY - 1
@@ -150,6 +167,7 @@ class AutoPolicy:
     strength: float = 4.0
     head: str | None = None
     copy_prior: float = 0.8
+    seed: int = 0
     name: str = "auto"
     needs_scores = True
 
@@ -157,18 +175,23 @@ class AutoPolicy:
         self.drafts = AcceptanceEstimate(self.max_length, self.prior, self.strength)
         self.copies: dict[int, AcceptanceEstimate] = {}  # by proposed copy length
         self._proposed = 0  # the current round's proposed copy length
+        self._rng = np.random.default_rng(self.seed)
+        self._drawn: list[float] | None = None  # the acceptance the current round drafts for
 
     def acceptance(self) -> list[float]:
         return self.drafts.rates()
 
     def draft_length(self, context: int) -> int:
-        return self.profile.best_length(self.acceptance(), context, head=self.head)
+        self._drawn = self.drafts.draw(self._rng)
+        return self.profile.best_length(self._drawn, context, head=self.head)
 
     def verify_length(
         self, context: int, draft_probs: np.ndarray, confidence: np.ndarray | None
     ) -> int:
-        # the drafter's own probability of each token, tempered by what verification has shown
-        estimate = np.sqrt(np.array(self.acceptance()[: len(draft_probs)]) * draft_probs)
+        # the drafter's own probability of each token, tempered by the acceptance the round
+        # was drafted for
+        drawn = self.acceptance() if self._drawn is None else self._drawn
+        estimate = np.sqrt(np.array(drawn[: len(draft_probs)]) * draft_probs)
         return self.profile.best_length(list(estimate), context, verify_only=True)
 
     def observe(self, verified: int, accepted: int) -> None:
