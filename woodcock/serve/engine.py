@@ -1,0 +1,153 @@
+"""The engine: generations on one session, one at a time, with a prompt cache.
+
+The target's KV cache and the drafter's context rows are kept after a request, with the tokens
+they hold. The next prompt keeps the rows of the longest common token prefix (less one token:
+an EAGLE-3 context row reads the token after its position, and at least one prompt token must
+run for the first logits) and prefills only the rest, as mlx_lm.server does for the target.
+Greedy output is the same with and without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from woodcock.serve.request import DEFAULT_MAX_TOKENS, GenerationRequest, ModelFacts
+
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+class _PrefillCancelled(Exception):
+    pass
+
+
+class Engine:
+    """Runs generations on a session, one at a time, in the thread that opened the session, and
+    remembers which tokens its caches hold for the next prompt."""
+
+    def __init__(self, session, policy: str | None, *, prefix_cache: bool = True):
+        """policy: as `woodcock generate --policy` takes it, with a latency file where the
+        policy needs one; None decodes plainly with mlx-lm (the session's drafter is unused)."""
+        from woodcock.runtime.policy import parse_policy  # imports mlx
+
+        self.session, self.policy, self.prefix_cache = session, policy, prefix_cache
+        self.cached_tokens: list[int] = []  # the tokens whose rows both caches hold, in order
+        # one policy object for the server's life, as `woodcock bench` keeps one across its
+        # prompts: an adaptive policy's acceptance estimates go on learning from every request
+        # (a fresh one would start from the prior at every request)
+        self._policy = None
+        if policy is not None:
+            self._policy = parse_policy(
+                policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
+            )
+
+    def facts(self, model_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ModelFacts:
+        args = getattr(self.session.model, "args", None)
+        context = next(
+            (getattr(args, name) for name in CONTEXT_FIELDS if getattr(args, name, None)), None
+        )
+        return ModelFacts(
+            model_id,
+            self.session.tokenizer,
+            self.session.target.vocab_size,
+            int(context) if context else None,
+            default_max_tokens,
+        )
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens whose cached rows the next generation keeps: the longest prefix shared
+        with the cached tokens, less one (the drafter's row for the last of them reads the token
+        after it), and never the whole prompt (its last token must run for the first logits)."""
+        if not self.prefix_cache:
+            return 0
+        common = 0
+        for cached, token in zip(self.cached_tokens, prompt_ids, strict=False):
+            if cached != token:
+                break
+            common += 1
+        return max(0, min(common - 1, len(prompt_ids) - 1))
+
+    def run(
+        self,
+        request: GenerationRequest,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ):
+        import mlx.core as mx
+
+        from woodcock.runtime.generate import generate
+        from woodcock.runtime.sampling import Sampling
+
+        if request.seed is not None:
+            mx.random.seed(request.seed)
+        ids, cached = request.prompt_ids, self.reusable(request.prompt_ids)
+        self.cached_tokens = []  # until this generation says what the caches hold
+        if self.policy is None:
+            result = self._run_plain(request, cached, on_text, cancelled)
+        else:
+            sampling = Sampling(request.temperature, request.top_p, request.top_k, request.min_p)
+            result = generate(
+                self.session,
+                ids,
+                max_tokens=request.max_tokens,
+                policy=self._policy,
+                sampling=sampling,
+                stop=request.stop,
+                on_text=on_text,
+                cached=cached,
+                cancelled=cancelled,
+            )
+        # the caches hold the first `offset` tokens of the prompt and the stream; the stream
+        # may have run past what was kept (a round's drafts after a stop), hence the minimum
+        self.cached_tokens = (ids + result.tokens)[: self.session.target.offset]
+        return result
+
+    def _run_plain(self, request, cached, on_text, cancelled):
+        """mlx-lm's own decoding loop on the target's cache: the baseline the drafter is
+        measured against, with the same prompt cache, stop rules and cancellation."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        from woodcock.runtime.decode import Stats
+        from woodcock.runtime.generate import timed_text
+
+        target, ids = self.session.target, request.prompt_ids
+        if not (cached and target.truncate(cached)):
+            cached = 0
+            target.reset()
+
+        def check(processed: int, total: int) -> None:
+            if cancelled is not None and cancelled():
+                raise _PrefillCancelled
+
+        steps = generate_step(
+            mx.array(ids[cached:]),
+            self.session.model,
+            max_tokens=request.max_tokens,
+            sampler=make_sampler(
+                request.temperature, request.top_p, request.min_p, top_k=request.top_k
+            ),
+            prompt_cache=target.cache,
+            prompt_progress_callback=check,
+        )
+
+        def tokens():
+            try:
+                for token, _ in steps:
+                    yield token
+                    if cancelled is not None and cancelled():
+                        return
+            except _PrefillCancelled:
+                target.reset()
+
+        result = timed_text(
+            tokens(),
+            self.session.tokenizer,
+            prompt_tokens=len(ids),
+            max_tokens=request.max_tokens,
+            stop=request.stop,
+            on_text=on_text,
+        )
+        result.stats = Stats(prompt_tokens=len(ids), cached_tokens=cached)
+        return result

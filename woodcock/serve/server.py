@@ -1,0 +1,141 @@
+"""Start-up: resolve the served pair, open its engine in the worker thread, listen, and run
+the app under uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from woodcock.default_target import DEFAULT_TARGET, resolve_pair, resolve_target
+from woodcock.errors import DrafterError
+from woodcock.serve.engine import Engine
+from woodcock.serve.request import DEFAULT_MAX_TOKENS
+from woodcock.serve.worker import DEFAULT_QUEUE_SIZE, GenerationWorker
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def resolve_served_pair(
+    target: str | None, drafter: str | None, *, plain: bool
+) -> tuple[str, str | None, str]:
+    """(target source, drafter or None for plain decoding, model id): the default target and
+    its shipped drafter where neither is named, as `woodcock generate` resolves them."""
+    model_id = DEFAULT_TARGET if target in (None, DEFAULT_TARGET) else target
+    if plain:
+        if drafter is not None:
+            raise DrafterError("--no-drafter decodes plainly: give it or --drafter, not both")
+        return resolve_target(target), None, model_id
+    return (*resolve_pair(target, drafter), model_id)
+
+
+def open_engine(
+    target: str,
+    drafter: str | None,
+    policy: str,
+    *,
+    dtype: str | None = None,
+    lookup: bool = True,
+    prefix_cache: bool = True,
+) -> Engine:
+    """Open the session (in the calling thread, which must be the one that generates) and the
+    policy: `auto` / `confidence` without a file use this machine's cached latency profile for
+    the pair, measured now, once, if there is none."""
+    from woodcock.runtime.session import open_session  # imports mlx
+
+    if drafter is None:
+        # plain decoding needs only the target: the weight-free n-gram drafter opens it alone
+        session = open_session(target, "ngram", dtype=dtype, lookup=False)
+        return Engine(session, None, prefix_cache=prefix_cache)
+    session = open_session(target, drafter, dtype=dtype, lookup=lookup)
+    if policy in ("auto", "confidence"):
+        from woodcock.runtime.latency import cached_profile  # imports numpy
+
+        def announce(done: int, total: int) -> None:  # called only while measuring
+            if done == 1:
+                print(
+                    f"woodcock: measuring this machine's latency for --policy {policy} (once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        policy = f"{policy}:{cached_profile(session, target, drafter, progress=announce)}"
+    return Engine(session, policy, prefix_cache=prefix_cache)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise DrafterError(f"--port {port}: expected a port in [0, 65535]")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # listening from now: a client that connects before the server is up waits in the
+        # backlog instead of being refused
+        sock.listen(2048)
+    except OSError as e:
+        raise DrafterError(f"--host {host} --port {port}: cannot listen there ({e})") from None
+    return sock
+
+
+def serve(
+    target: str | None = None,
+    drafter: str | None = None,
+    policy: str = "auto",
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+    prefix_cache: bool = True,
+    lookup: bool = True,
+    dtype: str | None = None,
+    plain: bool = False,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    log_level: str = "info",
+) -> None:
+    """Open the pair and serve it until interrupted. Errors in what was asked for (paths, the
+    policy, the address) raise DrafterError before the server listens. plain: decode with
+    mlx-lm alone (no drafter), the baseline for measuring one."""
+    import uvicorn
+
+    from woodcock.serve.app import create_app  # imports starlette
+
+    if queue_size < 1:
+        raise DrafterError(f"--queue-size {queue_size}: expected at least 1")
+    if max_tokens < 1:
+        raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
+    source, drafter, model_id = resolve_served_pair(target, drafter, plain=plain)
+    sock = _listening_socket(host, port)
+    worker = GenerationWorker(
+        lambda: open_engine(
+            source, drafter, policy, dtype=dtype, lookup=lookup, prefix_cache=prefix_cache
+        ),
+        queue_size=queue_size,
+    )
+    try:
+        engine = worker.start()
+    except BaseException:
+        sock.close()
+        raise
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths  # imports mlx
+
+    warn_slow_paths(machine_facts(engine.session.dtype_name))
+    description = {
+        "drafter": drafter,
+        "policy": engine.policy or "plain (mlx-lm, no drafter)",
+        "prompt_lookup": engine.session.lookup is not None,
+        "prefix_cache": prefix_cache,
+    }
+    app = create_app(
+        worker, model_id=model_id, default_max_tokens=max_tokens, description=description
+    )
+    address = sock.getsockname()
+    print(
+        f"woodcock: serving {model_id} at http://{host}:{address[1]}/v1"
+        f" ({'plain decoding' if plain else f'drafter {drafter}, policy {engine.policy}'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
