@@ -27,10 +27,11 @@ from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.target import MlxTarget
 from woodcock.tensorfile import read_safetensors
 from woodcock.train import train as T
+from woodcock.train.checkpoints import trained_weights
 from woodcock.train.cli import app
 from woodcock.train.distill import ANSWERS, distill, read_answers, read_prompts
+from woodcock.train.eagle3_model import build_model, build_spec, ttt_logits
 from woodcock.train.features import TargetRunner, from_fp16, to_fp16
-from woodcock.train.model import build_model, build_spec, trained_weights, ttt_logits
 from woodcock.train.options import TrainOptions
 
 MAX_TOKENS = 40

@@ -38,11 +38,11 @@ from woodcock.train.block_trainer import (
     spread_anchors,
     train_anchors,
 )
+from woodcock.train.checkpoints import trained_weights
 from woodcock.train.cli import app
 from woodcock.train.data import Batch
 from woodcock.train.distill import read_answers
 from woodcock.train.features import TargetRunner
-from woodcock.train.model import trained_weights
 from woodcock.train.options import TrainOptions
 
 TAPS = (1, 2, 3)  # not the last target layer: SpecForge and DeepSpec refuse it

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from woodcock.errors import DrafterError
+from woodcock.ir import DFlash, DrafterSpec, DSpark, Fusion, Head, Taps
 from woodcock.train.features import TargetRunner
-from woodcock.train.model import layer_like_target, target_facts
 from woodcock.train.options import TrainOptions
+from woodcock.train.target_shape import layer_like_target, target_facts
 
 
 def mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -50,8 +51,6 @@ def build_block_spec(
     the block: the one layer kind speculators, SpecForge and DeepSpec all hold. The taps are
     fused as hidden_norm(fc(concat)), the only fusion those formats have. The embedding is the
     target's; the LM head too when the draft vocabulary is the target's."""
-    from woodcock.ir import DFlash, DrafterSpec, DSpark, Fusion, Head, Taps
-
     layer = layer_like_target(
         runner,
         style="qwen3",
@@ -94,7 +93,6 @@ def build_block_model(
     final norm started from the target's."""
     import mlx.core as mx
 
-    from woodcock.ir import DSpark
     from woodcock.runtime.block import BlockModel
 
     mx.random.seed(seed)
@@ -245,8 +243,6 @@ def slot_outputs(model, spec, hidden, prev_ids, rows=None):
     hidden [S, N, B, H], prev_ids [S, N, B], rows: flat indices into S*N*B (None: all) ->
     (logits [n, Vd], confidence logits [n] or None)."""
     import mlx.core as mx
-
-    from woodcock.ir import DSpark
 
     algorithm = spec.algorithm
 

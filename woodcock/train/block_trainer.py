@@ -33,9 +33,18 @@ from typing import Any
 
 import numpy as np
 
+from woodcock.train.block_model import (
+    block_states,
+    build_block_model,
+    build_block_spec,
+    mask_token_id,
+    slot_outputs,
+)
 from woodcock.train.data import Batch, eval_batches, make_batch
-from woodcock.train.options import TrainOptions
-from woodcock.train.trainer import draft_head, make_optimizer
+from woodcock.train.optimization import draft_head, make_optimizer
+from woodcock.train.options import TrainOptions, TrainReport
+from woodcock.train.run import RunInputs
+from woodcock.train.warm_start import started_model
 
 
 def anchor_candidates(length: int, prompt_length: int, block_size: int) -> np.ndarray:
@@ -150,8 +159,6 @@ class BlockTrainer:
 
     def _loss(self, model, inputs: BlockInputs):
         import mlx.core as mx
-
-        from woodcock.train.block_model import block_states, slot_outputs
 
         hidden = block_states(model, self.spec, inputs.taps, inputs.anchors, inputs.block_ids)
         logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
@@ -338,26 +345,17 @@ HOLDOUT_DEFINITIONS = {
 class BlockRun:
     """One training run's block drafter: spec, module, trainer and its hold-out batches."""
 
-    def __init__(self, opts, runner, taps, head_ids, draft_vocab, init, arrays, holdout_entries):
-        from woodcock.train.block_model import (
-            build_block_model,
-            build_block_spec,
-            mask_token_id,
-        )
-        from woodcock.train.model import start_from
-
-        self.opts, self.arrays, self.holdout = opts, arrays, holdout_entries
+    def __init__(self, inputs: RunInputs):
+        opts, runner, init = inputs.opts, inputs.runner, inputs.init
+        self.opts, self.arrays, self.holdout = opts, inputs.arrays, inputs.holdout_entries
         mask = init.spec.algorithm.mask_token_id if init is not None else None
         if mask is None:
             mask = mask_token_id(runner.tokenizer, runner.vocab_size)
-        self.spec = build_block_spec(runner, opts.target, taps, draft_vocab, opts, mask)
-        head_rows = runner.head if head_ids is None else runner.head[head_ids]
-        self.model = build_block_model(
-            self.spec, runner.embedding, head_rows, runner.final_norm_weight(), opts.seed
+        self.spec = build_block_spec(
+            runner, opts.target, inputs.taps, inputs.draft_vocab, opts, mask
         )
-        if init is not None:
-            start_from(self.model, init, self.spec, opts.init)
-        self.trainer = BlockTrainer(self.model, self.spec, head_ids, runner.head, opts)
+        self.model = started_model(inputs, self.spec, build_block_model)
+        self.trainer = BlockTrainer(self.model, self.spec, inputs.head_ids, runner.head, opts)
         self.optimizer = self.trainer.optimizer
         algorithm = self.spec.algorithm
         self.name = (
@@ -383,7 +381,7 @@ class BlockRun:
 
         return self.trainer.evaluate(batches())
 
-    def record(self, report, initial: dict, last: dict) -> dict[str, Any]:
+    def record(self, report: TrainReport, initial: dict, last: dict) -> dict[str, Any]:
         report.holdout, report.holdout_initial = last, initial
         strip = {k.removeprefix("holdout_"): v for k, v in last.items()}
         return {

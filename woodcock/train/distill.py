@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
@@ -144,8 +145,6 @@ def distill(
     out = Path(out)
     prompts = read_prompts(prompts_file)
     if target is None:
-        from woodcock.default_target import resolve_target
-
         target = resolve_target(None)
     prompts_record = portable_path(prompts_file, out)
     meta = {

@@ -13,6 +13,7 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
+from woodcock.loading import resolve_source
 from woodcock.train.options import Progress
 
 if TYPE_CHECKING:
@@ -136,8 +137,6 @@ class TargetRunner:
 
 
 def target_fingerprint(source: str) -> dict[str, Any]:
-    from woodcock.loading import resolve_source
-
     path = resolve_source(source)
     config = (path / "config.json").read_bytes() if (path / "config.json").exists() else b""
     files = sorted(

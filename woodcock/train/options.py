@@ -1,56 +1,93 @@
-"""What a training run is asked for (`TrainOptions`, checked before any work) and what it
-reports. One option set serves every algorithm: the EAGLE-3 chain options (ttt_steps,
-step_weight) and the block options (block_size .. confidence_weight) are each ignored, and left
-out of the recipe, by the other kind."""
+"""What a training run is asked for (`TrainOptions`, checked before any work; its fields declare
+`woodcock train`'s options) and what it reports. One option set serves every algorithm: the
+EAGLE-3 chain options (ttt_steps, step_weight) and the block options (block_size ..
+confidence_weight) are each ignored, and left out of the recipe, by the other kind."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from woodcock.cli_options import DefaultableTarget, parse_taps
 from woodcock.errors import DrafterError
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How `woodcock train` takes a `TrainOptions` field: as --NAME (the field's name, dashed;
+    --NAME/--no-NAME when negatable) with this help; `parse` makes the value from the option's
+    text; `shared`: the option as the commands that share it declare it (woodcock.cli_options)."""
+
+    help: str | None = None
+    negatable: bool = False
+    parse: Callable[[str | None], Any] | None = None
+    shared: Any = None
+
+
+FLAG = "flag"  # the metadata key of a field's Flag
+
+
+def option(default: Any = MISSING, help: str | None = None, **flag: Any) -> Any:
+    """A field that is also an option of `woodcock train` (no default: a required option)."""
+    return field(default=default, metadata={FLAG: Flag(help, **flag)})
 
 
 @dataclass
 class TrainOptions:
-    target: str | None  # None: the default target
-    data: Path
-    out: Path
-    steps: int = 300
-    ttt_steps: int = 3
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup: int | None = None  # default: 5 % of the steps
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    step_weight: float = 0.8
-    batch: int = 8  # sequences per step
-    max_len: int = 384  # tokens per sequence (prompt + answer), longer ones are cut
-    head_size: int | None = None  # default: 8192 (eagle3), the whole vocabulary (block drafters)
-    holdout: float = 0.05
-    seed: int = 0
-    eval_every: int = 200
-    checkpoint_every: int = 50
-    taps: tuple[int, ...] | None = None
-    init: str | None = None  # a drafter to start from (its taps and head rows), not random weights
-    checkpoints: Path | None = None  # default: OUT.ckpt next to OUT
-    resume: bool = False
-    finish: bool = False  # with resume: write the drafter from the last checkpoint, no more steps
-    force: bool = False
+    """The fields made with `option` are `woodcock train`'s options, in the order of its help."""
+
+    data: Path = option(help="A `woodcock distill` output directory.")
+    out: Path = option(help="Drafter directory to write (woodcock).")
+    target: str | None = option(None, shared=DefaultableTarget)  # None: the default target
+    steps: int = option(300, "Optimizer steps.")
+    ttt_steps: int = option(3, "Unrolled draft steps (training-time test).")
+    lr: float = option(3e-4, "Peak learning rate.")
+    min_lr_ratio: float = option(0.1, "Final learning rate / peak (cosine).")
+    warmup: int | None = option(None, "Warm-up steps (default: 5 % of --steps).")
+    weight_decay: float = option(0.01)
+    clip: float = option(1.0, "Gradient-norm clipping.")
+    batch: int = option(8, "Sequences per step.")
+    max_len: int = option(384, "Tokens per sequence (prompt + answer), cut beyond.")
+    head_size: int | None = option(
+        None,
+        "Draft vocabulary: the N most frequent tokens (default 8192 for eagle3; for"
+        " dflash/dspark the whole vocabulary, with the target's head).",
+    )
+    holdout: float = option(0.05, "Share of the samples held out.")
+    taps: tuple[int, ...] | None = option(
+        None, "Target layer ids (default 2,N/2,N-3).", parse=parse_taps
+    )
+    init: str | None = option(
+        None, "Start from this drafter's weights (its taps and head rows) instead of random."
+    )
+    eval_every: int = option(200, "Hold-out evaluation every N steps.")
+    checkpoint_every: int = option(50, "Checkpoint every N steps.")
+    checkpoints: Path | None = option(None, "Checkpoint directory (default OUT.ckpt).")
+    seed: int = option(0)
+    resume: bool = option(False, "Continue from the last checkpoint.")
+    finish: bool = option(
+        False, "With --resume: stop there, write the drafter from the last checkpoint."
+    )
+    force: bool = option(False, "Replace OUT / start the checkpoints over.")
+    algorithm: str = option("eagle3", "eagle3 (chain), dflash or dspark (block).")
+    block_size: int = option(8, "dflash/dspark: slots per block.")
+    layers: int = option(2, "dflash/dspark: decoder layers (Qwen3-style).")  # EAGLE-3: one
+    markov_rank: int = option(256, "dspark: Markov head rank (0: none).")
+    markov_head: str = option("vanilla", "dspark: vanilla, gated or rnn.")
+    confidence_head: bool = option(True, "dspark: confidence head.", negatable=True)
+    sample_from_anchor: bool | None = option(
+        None,
+        "dflash/dspark: the anchor slot drafts too (default: dspark yes, dflash no).",
+        negatable=True,
+    )
+    anchors: int = option(16, "dflash/dspark: blocks per sequence per step.")  # at most
+    decay_gamma: float = option(4.0, "dflash/dspark: slot k weighs exp(-k/gamma).")
+    confidence_weight: float = option(1.0, "dspark: weight of the confidence BCE.")
+    step_weight: float = 0.8  # EAGLE-3: TTT step k's loss weight step_weight**k
     command: list[str] | None = None  # recorded in the provenance
-    algorithm: str = "eagle3"  # "eagle3", "dflash" or "dspark"
-    block_size: int = 8
-    layers: int = 2  # decoder layers of a block drafter (EAGLE-3's recipe has one)
-    markov_rank: int = 256  # DSpark; 0 = no Markov head
-    markov_head: str = "vanilla"  # DSpark: "vanilla", "gated" or "rnn"
-    confidence_head: bool = True  # DSpark
-    sample_from_anchor: bool | None = None  # default: true for dspark, false for dflash
-    anchors: int = 16  # blocks per sequence per step (at most)
-    decay_gamma: float = 4.0  # slot k's loss weight exp(-k / gamma)
-    confidence_weight: float = 1.0  # DSpark: weight of the confidence head's BCE
 
     @property
     def is_block(self) -> bool:

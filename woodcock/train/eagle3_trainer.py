@@ -1,26 +1,48 @@
-"""The optimisation: per-step losses and agreement, the optimiser and its schedule, and
-checkpoints that a resumed run continues exactly."""
+"""Training EAGLE-3 drafters (`woodcock train`, the default --algorithm): the per-step losses
+and agreement of training-time test, and the run `woodcock.train.train.train` drives.
+
+The EAGLE-3 recipe ("seed recipe"):
+
+* Shape: one Llama-style decoder layer with the target's hidden size, heads, head_dim and MLP
+  width; it reads three taps (canonical ids 2, N//2, N-3 of an N-layer target; spread over
+  1, N//2, N when the target is too shallow for those to be distinct) through a per-tap RMSNorm
+  and fc; EAGLE-3.1 post-norm feedback (norm_output) and norm_before_residual. The embedding is
+  the target's (shared, frozen). The head is truncated to the --head-size target tokens most
+  frequent in the training answers (own lm_head rows, initialised from the target's head rows;
+  the final norm from the target's final norm), with a VocabMap and the token counts.
+* Loss: training-time test (EAGLE-3 TTT) with K unrolled steps. Row i is token x_{i+1} with the
+  fused target state g_i at position i+1. Step k (0-based) feeds each row its own fed-back state
+  from step k-1 and the teacher-forced token x_{i+1+k}, at position i+1+k; it attends to the
+  step-0 keys causally and to its own keys of steps 1..k. Its logits are compared with the
+  target's distribution at position t = i+1+k (the target's prediction of x_{t+1}), restricted to
+  the draft vocabulary and renormalised: soft-label cross-entropy, on rows whose predicted token
+  is an answer token (t >= prompt length - 1, t <= last position) and whose target argmax is in
+  the draft vocabulary (EAGLE-3's rule), averaged per step, weighted 0.8^k and summed.
+* Hold-out: the hold-out agreement at draft step k+1 is the share of hold-out rows where the
+  drafter's argmax at TTT step k equals the target's argmax (over the full vocabulary, so a token
+  outside the draft head counts as a miss), among rows that start a draft on an answer position
+  (the first draft predicts an answer token after the first) and whose drafts at steps 0..k-1 all
+  matched the target's argmax and the teacher-forced token. For greedy distilled answers the
+  teacher-forced token is then the drafter's own draft, so this is the acceptance rate of greedy
+  chain drafting at position k+1 given the k earlier drafts were accepted, the quantity
+  `woodcock generate --policy auto` takes as its prior. The unconditional share (every row whose
+  step-k target is an answer token) is recorded too.
+"""
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from woodcock.errors import DrafterError
-from woodcock.jsonfile import read_json_object, write_json
-from woodcock.train.data import Batch
-from woodcock.train.model import ttt_states
-from woodcock.train.options import TrainOptions
-
-CHECKPOINT_VERSION = 1
+from woodcock.train.data import Batch, eval_batches, make_batch
+from woodcock.train.eagle3_model import build_model, build_spec, ttt_states
+from woodcock.train.optimization import draft_head, make_optimizer
+from woodcock.train.options import TrainOptions, TrainReport
+from woodcock.train.run import RunInputs
+from woodcock.train.warm_start import started_model
 
 
 def step_masks(batch: Batch, steps: int, in_head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,37 +105,7 @@ class Agreement:
         return [float(h / t) if t else 0.0 for h, t in pairs]
 
 
-def draft_head(head_matrix: np.ndarray, head_target_ids: np.ndarray | None):
-    """(target id of each draft row [Vd], whether each target id has a row [V], the target's
-    head rows of the draft vocabulary transposed [Ht, Vd]) for the soft labels."""
-    import mlx.core as mx
-
-    vocab = int(head_matrix.shape[0])
-    head_ids = np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
-    in_head = np.zeros(vocab, bool)
-    in_head[head_ids] = True
-    rows = head_matrix if head_target_ids is None else head_matrix[head_target_ids]
-    return head_ids, in_head, mx.array(np.ascontiguousarray(rows.T, np.float32))
-
-
-def make_optimizer(opts: TrainOptions):
-    """AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to min_lr_ratio of the peak."""
-    import mlx.core as mx
-    import mlx.optimizers as optim
-
-    warmup, total, peak, floor = opts.warmup_steps(), opts.steps, opts.lr, opts.min_lr_ratio
-
-    def schedule(step):
-        step = step.astype(mx.float32)
-        warm = mx.minimum((step + 1) / warmup, 1.0)
-        progress = mx.clip((step + 1 - warmup) / max(1, total - warmup), 0.0, 1.0)
-        decay = floor + (1 - floor) * 0.5 * (1 + mx.cos(math.pi * progress))
-        return peak * warm * decay
-
-    return optim.AdamW(learning_rate=schedule, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
-
-
-class Trainer:
+class Eagle3Trainer:
     def __init__(
         self, model, head_target_ids: np.ndarray, head_matrix: np.ndarray, opts: TrainOptions
     ):
@@ -253,67 +245,41 @@ class StepInputs:
     shape: tuple[int, int]
 
 
-def save_checkpoint(directory: Path, step: int, model, optimizer, state: dict) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+class Eagle3Run:
+    """One training run's EAGLE-3 drafter: spec, module, trainer and its hold-out batches."""
 
-    directory.mkdir(parents=True, exist_ok=True)
-    folder = directory / f"step-{step:07d}"
-    if folder.exists():
-        shutil.rmtree(folder)
-    partial = directory / f".step-{step:07d}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir()
-    mx.save_safetensors(
-        str(partial / "model.safetensors"), dict(tree_flatten(model.trainable_parameters()))
-    )
-    mx.save_safetensors(str(partial / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-    write_json(partial / "state.json", {**state, "step": step, "version": CHECKPOINT_VERSION})
-    os.replace(partial, folder)
-    latest = directory / "latest.json"
-    tmp = directory / ".latest.json.tmp"
-    write_json(tmp, {"step": step, "folder": folder.name})
-    os.replace(tmp, latest)
-    for old in directory.glob("step-*"):
-        if old != folder:
-            shutil.rmtree(old, ignore_errors=True)
+    name = "woodcock train (seed recipe: EAGLE-3 TTT, soft labels, truncated head)"
 
+    def __init__(self, inputs: RunInputs):
+        opts, runner = inputs.opts, inputs.runner
+        self.opts, self.arrays, self.holdout = opts, inputs.arrays, inputs.holdout_entries
+        self.spec = build_spec(runner, opts.target, inputs.taps, inputs.draft_vocab, opts.ttt_steps)
+        self.model = started_model(inputs, self.spec, build_model)
+        self.trainer = Eagle3Trainer(self.model, inputs.head_ids, runner.head, opts)
+        self.optimizer = self.trainer.optimizer
 
-def checkpoint_state(directory: Path) -> dict:
-    latest = read_json_object(directory / "latest.json")
-    folder = directory / latest["folder"]
-    state = read_json_object(folder / "state.json")
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise DrafterError(f"{folder}: checkpoint version {state.get('version')!r} unsupported")
-    return {**state, "folder": str(folder)}
+    def train_step(self, entries, step: int) -> tuple[int, dict[str, Any]]:
+        batch = make_batch(self.arrays, entries, self.opts.ttt_steps)
+        return batch.tokens_in, self.trainer.train_step(batch)
 
+    def evaluate(self) -> dict[str, Any]:
+        return self.trainer.evaluate(eval_batches(self.arrays, self.holdout, self.opts.ttt_steps))
 
-def load_checkpoint(state: dict, model, optimizer) -> None:
-    """Weights and optimizer state of the checkpoint `checkpoint_state` described."""
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-
-    folder = Path(state["folder"])
-    params = mx.load(str(folder / "model.safetensors"))
-    model.update(tree_unflatten(list(params.items())))
-    optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
-    mx.eval(model.parameters(), optimizer.state)
-
-
-def trim_log(path: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint a run resumes from."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if entry.get("step", 0) <= step:
-            kept.append(line)
-    # Through a temporary file: a run killed while rewriting must not lose the log.
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(partial, path)
+    def record(self, report: TrainReport, initial: dict, last: dict) -> dict[str, Any]:
+        report.holdout_agreement_initial = initial["holdout_agreement"]
+        report.holdout_agreement = last["holdout_agreement"]
+        report.holdout_agreement_unconditional = last["holdout_agreement_unconditional"]
+        return {
+            "holdout_agreement": report.holdout_agreement,
+            "holdout_agreement_definition": (
+                "by draft step k = 1..K: share of hold-out rows where the drafter's argmax at"
+                " step k equals the target's full-vocabulary argmax, among rows starting a"
+                " draft at an answer position whose k-1 earlier drafts all matched the target's"
+                " argmax and the teacher-forced (greedy distilled) token: the greedy acceptance"
+                " rate at position k given the earlier drafts were accepted"
+            ),
+            "holdout_agreement_unconditional": report.holdout_agreement_unconditional,
+            "holdout_agreement_initial": report.holdout_agreement_initial,
+            "holdout_loss_by_step": last["holdout_loss_by_step"],
+            "holdout_rows_by_step": last["holdout_rows"],
+        }
