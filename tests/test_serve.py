@@ -402,6 +402,8 @@ BAD_REQUESTS = [
     ("model a number", "/v1/completions", {"prompt": "x", "model": 7}, 400, "model", "expected a string"),
     ("prompt past the context", "/v1/completions", {"prompt": "The quick brown fox. " * 400}, 400, "prompt", f"the model's context is {CONTEXT} tokens"),
     ("messages past the context", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Paris is. " * 600}]}, 400, "messages", "context is"),
+    ("max_tokens past the context", "/v1/completions", {"prompt": "x", "max_tokens": 1000000000000}, 400, "max_tokens", f"This model's maximum context length is {CONTEXT} tokens. However, you requested 1000000000"),
+    ("max_completion_tokens past the context", "/v1/chat/completions", {"messages": USER, "max_completion_tokens": CONTEXT}, 400, "max_completion_tokens", f"maximum context length is {CONTEXT} tokens"),
     ("unknown path", "/v1/embeddings", {"input": "x"}, 404, None, "no route POST /v1/embeddings"),
 ]
 
@@ -413,6 +415,27 @@ def test_bad_requests_are_refused_naming_the_field(server, name, path, body, sta
     assert (got, error["param"]) == (status, param), error
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_prompt_and_max_tokens_past_the_context_are_refused_with_the_numbers(server, session):
+    ids, limit = encode_messages(session.tokenizer, USER), 1000000000000
+    status, _, raw = request(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": limit})
+    error = json.loads(raw)["error"]
+    assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "max_tokens")
+    assert error["message"] == (
+        f"This model's maximum context length is {CONTEXT} tokens. However, you requested {len(ids) + limit} tokens"
+        f" ({len(ids)} in the messages, {limit} in the completion). Please reduce the length of the messages or completion."
+    )
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="However, you requested"):
+        client.chat.completions.create(model=server.model, messages=USER, max_completion_tokens=CONTEXT, stream=True)
+    prompt = (encode_prompt(session.tokenizer, "Paris is", chat=False) * CONTEXT)[: CONTEXT - 6]
+    with pytest.raises(openai.BadRequestError, match=rf"you requested {CONTEXT + 1} tokens \({CONTEXT - 6} in the messages, 7 in the completion\)"):
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=7)
+    filled = client.completions.create(model=server.model, prompt=prompt, max_tokens=6)  # exactly the context
+    assert filled.usage.prompt_tokens + filled.usage.completion_tokens <= CONTEXT
+    unnamed = client.completions.create(model=server.model, prompt=prompt)  # no limit: what the context leaves
+    assert unnamed.choices[0].text == filled.choices[0].text
 
 
 def test_the_server_keeps_serving_after_bad_requests(server):

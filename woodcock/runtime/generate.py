@@ -36,6 +36,7 @@ class Generation:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" at EOS or a stop string
+    stop_string: str | None = None  # the stop string the text was cut at
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -78,6 +79,7 @@ def finish_text(
         cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
         if cut >= 0:
             result.text, result.finish_reason = text[:cut], "stop"
+            result.stop_string = next(s for s in stop if text.find(s) == cut)
             break
         if on_text and len(text) - hold > shown:
             on_text(text[shown : len(text) - hold])

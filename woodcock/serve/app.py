@@ -1,29 +1,36 @@
 """The ASGI application over a started GenerationWorker: POST /v1/chat/completions and
-/v1/completions (streamed as server-sent events with `stream: true`), GET /v1/models, /health
-and /metrics. Importing this module imports starlette: the server imports it when it starts."""
+/v1/completions (streamed as server-sent events with `stream: true`), Anthropic's POST
+/v1/messages and /v1/messages/count_tokens, GET /v1/models, /health and /metrics. Importing this
+module imports starlette: the server imports it when it starts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from woodcock.serve import anthropic
 from woodcock.serve.openai import STREAM_END, Answer, sse_event
 from woodcock.serve.request import (
     DEFAULT_MAX_TOKENS,
+    GenerationRequest,
+    ModelFacts,
     RequestError,
     model_not_found,
     parse_json_body,
     parse_request,
 )
 from woodcock.serve.worker import GenerationWorker, Job
+
+ENDPOINTS = ("chat.completions", "completions")
 
 
 def create_app(
@@ -39,6 +46,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/messages", handlers.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", handlers.count_tokens, methods=["POST"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/models/{name:path}", handlers.model, methods=["GET"]),
         Route("/health", handlers.health, methods=["GET"]),
@@ -49,6 +58,48 @@ def create_app(
         exception_handlers={HTTPException: handlers.http_error, Exception: handlers.server_error},
         lifespan=handlers.lifespan,
     )
+
+
+def _openai_error(error: RequestError) -> tuple[dict, int]:
+    return error.body(), error.status
+
+
+class _OpenAIAnswer:
+    """OpenAI's shapes of one answer: whole, or as the stream's chunks."""
+
+    def __init__(self, answer: Answer, include_usage: bool):
+        self.answer, self.include_usage = answer, include_usage
+        self.extra = {"usage": None} if include_usage else {}
+
+    def complete(self, result) -> dict:
+        return self.answer.complete(result)
+
+    def opening(self) -> str:
+        chat = self.answer.endpoint == "chat.completions"
+        return self.answer.role_chunk(**self.extra) if chat else ""
+
+    def text(self, text: str) -> str:
+        return self.answer.chunk(text, **self.extra)
+
+    def done(self, result) -> str:
+        last = self.answer.chunk(None, result.finish_reason, **self.extra)
+        return last + (self.answer.usage_chunk(result) if self.include_usage else "")
+
+    def failure(self, error: RequestError) -> str:
+        return sse_event(error.body())
+
+    def closing(self) -> str:
+        return STREAM_END
+
+
+@dataclass(frozen=True)
+class _Api:
+    """How one API parses a request, shapes its answer (`_OpenAIAnswer`'s methods) and its
+    errors (body and status)."""
+
+    parse: Callable[[dict, ModelFacts], GenerationRequest]
+    answer: Callable[[GenerationRequest], object]
+    error_body: Callable[[RequestError], tuple[dict, int]]
 
 
 class _Handlers:
@@ -69,12 +120,39 @@ class _Handlers:
             "owned_by": "woodcock",
             **description,
         }
+        self.openai = {endpoint: self._openai(endpoint) for endpoint in ENDPOINTS}
+        self.anthropic = _Api(
+            anthropic.parse_messages,
+            lambda parsed: anthropic.MessageAnswer(model_id, parsed),
+            anthropic.error_body,
+        )
+
+    def _openai(self, endpoint: str) -> _Api:
+        return _Api(
+            lambda body, facts: parse_request(body, endpoint, facts),
+            lambda parsed: _OpenAIAnswer(Answer(endpoint, self.model_id), parsed.include_usage),
+            _openai_error,
+        )
 
     async def chat_completions(self, request):
-        return await self._generation(request, "chat.completions")
+        return await self._generation(request, self.openai["chat.completions"])
 
     async def completions(self, request):
-        return await self._generation(request, "completions")
+        return await self._generation(request, self.openai["completions"])
+
+    async def messages(self, request):
+        return await self._generation(request, self.anthropic)
+
+    async def count_tokens(self, request):
+        loop = asyncio.get_running_loop()
+        try:
+            body = parse_json_body(await request.body())
+            count = await loop.run_in_executor(
+                self.encoder, anthropic.count_input_tokens, body, self.facts
+            )
+        except RequestError as e:
+            return self._error_response(e, self.anthropic)
+        return JSONResponse({"input_tokens": count})
 
     async def models(self, request):
         return JSONResponse({"object": "list", "data": [self.entry]})
@@ -110,11 +188,16 @@ class _Handlers:
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        return self._error_response(RequestError(message, code=code, status=exc.status_code))
+        error = RequestError(message, code=code, status=exc.status_code)
+        return self._error_response(error, self._api_of(request))
 
     async def server_error(self, request, exc: Exception):
-        self.metrics.add("request_errors", status="500")
-        return JSONResponse(_failure_body(exc), status_code=500)
+        return self._error_response(_failure(exc), self._api_of(request))
+
+    def _api_of(self, request) -> _Api:
+        """Whose error shape a request that reached no handler gets: the path's API's."""
+        anthropic_path = request.url.path.startswith("/v1/messages")
+        return self.anthropic if anthropic_path else self.openai["chat.completions"]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -122,30 +205,29 @@ class _Handlers:
         await asyncio.get_running_loop().run_in_executor(None, self.worker.stop)
         self.encoder.shutdown(wait=False)
 
-    def _error_response(self, error: RequestError) -> JSONResponse:
-        self.metrics.add("request_errors", status=str(error.status))
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    def _error_response(self, error: RequestError, api: _Api | None = None) -> JSONResponse:
+        body, status = (api or self.openai["chat.completions"]).error_body(error)
+        self.metrics.add("request_errors", status=str(status))
+        return JSONResponse(body, status_code=status, headers=error.headers)
 
-    async def _generation(self, request, endpoint: str):
+    async def _generation(self, request, api: _Api):
         loop = asyncio.get_running_loop()
         try:
             body = parse_json_body(await request.body())
-            parsed = await loop.run_in_executor(
-                self.encoder, parse_request, body, endpoint, self.facts
-            )
+            parsed = await loop.run_in_executor(self.encoder, api.parse, body, self.facts)
         except RequestError as e:
-            return self._error_response(e)
+            return self._error_response(e, api)
         job = Job(parsed, loop)
         if not self.worker.submit(job):
             self.metrics.add("queue_rejections")
-            return self._error_response(self._queue_full())
-        answer = Answer(endpoint, self.model_id)
+            return self._error_response(self._queue_full(), api)
+        answer = api.answer(parsed)
         if parsed.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(
                 self._stream(job, answer), media_type="text/event-stream", headers=headers
             )
-        return await self._complete(request, job, answer)
+        return await self._complete(request, job, answer, api)
 
     def _queue_full(self) -> RequestError:
         waiting = self.worker.queue_size
@@ -158,7 +240,7 @@ class _Handlers:
             headers={"Retry-After": str(self.worker.retry_after())},
         )
 
-    async def _complete(self, request, job: Job, answer: Answer) -> Response:
+    async def _complete(self, request, job: Job, answer, api: _Api) -> Response:
         """The whole answer, or 204 when the client goes away first (which frees the model)."""
         watcher = asyncio.ensure_future(_until_disconnected(request.receive))
         getter = asyncio.ensure_future(job.events.get())
@@ -172,40 +254,40 @@ class _Handlers:
             return Response(status_code=204)
         kind, value = getter.result()
         if kind == "error":
-            return JSONResponse(_failure_body(value), status_code=500)
+            body, status = api.error_body(_failure(value))
+            return JSONResponse(body, status_code=status)
         return JSONResponse(answer.complete(value))
 
-    async def _stream(self, job: Job, answer: Answer) -> AsyncIterator[str]:
-        extra = {"usage": None} if job.request.include_usage else {}
+    async def _stream(self, job: Job, answer) -> AsyncIterator[str]:
+        """The answer's events as the worker reports them (answer: `_OpenAIAnswer`'s methods)."""
         finished = False
         try:
-            if answer.endpoint == "chat.completions":
-                yield answer.role_chunk(**extra)
+            if opening := answer.opening():
+                yield opening
             while True:
                 kind, value = await job.events.get()
                 if kind == "text":
-                    yield answer.chunk(value, **extra)
+                    yield answer.text(value)
                 elif kind == "done":
-                    yield answer.chunk(None, value.finish_reason, **extra)
-                    if job.request.include_usage:
-                        yield answer.usage_chunk(value)
+                    yield answer.done(value)
                     break
                 else:
-                    yield sse_event(_failure_body(value))
+                    yield answer.failure(_failure(value))
                     break
             finished = True
-            yield STREAM_END
+            if closing := answer.closing():
+                yield closing
         finally:  # also when the client has gone and the response task is cancelled
             if not finished:
                 self.worker.cancel(job)
 
 
-def _failure_body(error: Exception) -> dict:
-    """The error object of a generation that raised."""
+def _failure(error: Exception) -> RequestError:
+    """The error of a generation that raised."""
     detail = str(error).splitlines()[0] if str(error) else ""
     return RequestError(
         f"generation failed: {type(error).__name__}: {detail}", kind="server_error", status=500
-    ).body()
+    )
 
 
 async def _until_disconnected(receive) -> None:

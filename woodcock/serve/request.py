@@ -39,6 +39,24 @@ class RequestError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
+class ContextOverflow(RequestError):
+    """A prompt, or a prompt and the requested completion, longer than the target's context: the
+    numbers kept for an API that words the refusal its own way."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        context: int,
+        prompt_tokens: int,
+        completion_tokens: int | None,
+        param: str,
+    ):
+        super().__init__(message, param=param, code="context_length_exceeded")
+        self.context, self.prompt_tokens = context, prompt_tokens
+        self.completion_tokens = completion_tokens  # None: the prompt alone is too long
+
+
 def model_not_found(name: str, model_id: str) -> RequestError:
     return RequestError(
         f"The model {name!r} does not exist: this server serves {model_id!r}",
@@ -278,19 +296,19 @@ def _prompt_ids(body: dict, facts: ModelFacts) -> list[int]:
     return ids
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
+def _stop(body: dict, name: str = "stop") -> tuple[str, ...]:
+    stop = body.get(name)
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise RequestError(
-            f"stop: expected a string or an array of strings, got {_json_type(stop)}",
-            param="stop",
+            f"{name}: expected a string or an array of strings, got {_json_type(stop)}",
+            param=name,
             code="invalid_type",
         )
     if any(not s for s in stops):
-        raise RequestError("stop: empty stop strings", param="stop", code="invalid_value")
+        raise RequestError(f"{name}: empty stop strings", param=name, code="invalid_value")
     return tuple(stops)
 
 
@@ -360,15 +378,39 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
     else:
         prompt_field = "prompt"
         request.prompt_ids = _prompt_ids(body, facts)
-    context = facts.context_length
-    if context is not None:
-        if len(request.prompt_ids) >= context:
-            raise RequestError(
-                f"{prompt_field}: {len(request.prompt_ids)} tokens; the model's context is"
-                f" {context} tokens, and at least one must be left to generate",
-                param=prompt_field,
-                code="context_length_exceeded",
-            )
-        # the answer ends at the context's end ("length"), as plain decoding would have to
-        request.max_tokens = min(request.max_tokens, context - len(request.prompt_ids))
+    if facts.context_length is not None:
+        _fit_context(request, facts.context_length, prompt_field, limit_name, requested)
     return request
+
+
+def _fit_context(
+    request: GenerationRequest,
+    context: int,
+    prompt_field: str,
+    limit_name: str,
+    requested: int | None,
+) -> None:
+    """Refuse a prompt, or a prompt and a requested limit, that the context cannot hold (with
+    vLLM's message); a limit the request did not name ends the answer at the context's end
+    ("length"), as vLLM's default does."""
+    prompt_tokens = len(request.prompt_ids)
+    if prompt_tokens >= context:
+        raise ContextOverflow(
+            f"{prompt_field}: {prompt_tokens} tokens; the model's context is {context} tokens,"
+            " and at least one must be left to generate",
+            context=context,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=None,
+            param=prompt_field,
+        )
+    if requested is not None and prompt_tokens + requested > context:
+        raise ContextOverflow(
+            f"This model's maximum context length is {context} tokens. However, you requested"
+            f" {prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested}"
+            " in the completion). Please reduce the length of the messages or completion.",
+            context=context,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=requested,
+            param=limit_name,
+        )
+    request.max_tokens = min(request.max_tokens, context - prompt_tokens)
