@@ -239,8 +239,12 @@ def stored_taps(
 
 def read_rope(config: Mapping[str, Any], allowed: Iterable[str] = ROPE_TYPES) -> tuple[float, Any]:
     """(rope_theta, rope_scaling in the IR's form) from either spelling: rope_theta/rope_scaling
-    (transformers 4) or rope_parameters (transformers 5)."""
+    (transformers 4) or rope_parameters (transformers 5, maybe one entry per layer type)."""
     params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        if len({repr(sorted(v.items())) for v in params.values()}) > 1:
+            raise DrafterError(f"rope_parameters = {params!r}: per-layer-type rope differs")
+        params = next(iter(params.values()))
     if params is not None:
         if not isinstance(params, dict) or "rope_theta" not in params:
             raise DrafterError(f"rope_parameters = {params!r}: expected an object with rope_theta")
