@@ -23,6 +23,8 @@ from woodcock.ir import (
     DecoderLayer,
     Drafter,
     DrafterSpec,
+    Target,
+    VocabMap,
     error_prefix,
 )
 from woodcock.jsonfile import read_json_object, write_json
@@ -427,16 +429,28 @@ def offsets_and_mask(drafter: Drafter) -> dict[str, np.ndarray]:
 
 def vocab_from_offsets(
     where: Path,
-    d2t: np.ndarray | None,
-    t2d: np.ndarray | None,
+    tensors: dict[str, np.ndarray],
     draft_vocab: int,
     vocab: int,
     *,
     needs_d2t: bool = True,
-) -> np.ndarray | None:
-    """Absolute target ids from `d2t` offsets and/or the `t2d` mask (checked against each other
-    when both are present); None for a full vocabulary, whose buffers must then be the identity.
+) -> VocabMap:
+    """The vocabulary map that the `d2t` offsets and/or the `t2d` mask give (checked against each
+    other when both are present), both taken out of `tensors`; absolute target ids, or none for
+    a full vocabulary, whose buffers must then be the identity.
     needs_d2t: the format's runtime maps drafts through d2t, so the mask alone is not enough."""
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    return VocabMap(_target_ids(where, d2t, t2d, draft_vocab, vocab, needs_d2t))
+
+
+def _target_ids(
+    where: Path,
+    d2t: np.ndarray | None,
+    t2d: np.ndarray | None,
+    draft_vocab: int,
+    vocab: int,
+    needs_d2t: bool,
+) -> np.ndarray | None:
     where = where / "model.safetensors" if where.is_dir() else where
     if needs_d2t and d2t is None and draft_vocab != vocab:
         raise DrafterError(
@@ -479,6 +493,35 @@ def write_output(output: Output, path: Path, *, force: bool) -> None:
     with staged_directory(path, force=force) as out:
         write_safetensors(out / WEIGHTS, output.tensors, {"format": "pt"}, digest=False)
         write_json(out / CONFIG, output.config)
+
+
+def one_layer_eagle3(
+    config: Mapping[str, Any], layer: Mapping[str, Any], theta: float, scaling: Any
+) -> tuple[tuple[DecoderLayer, ...], Target, int]:
+    """What every one-layer Llama EAGLE-3 research format reads the same way: (its layer, from
+    `layer` (`layer_kwargs`) and the RoPE read; the target, from vocab_size and
+    target_hidden_size; draft_vocab_size)."""
+    layers = build_layers(
+        1,
+        eagle3=True,
+        style="llama",
+        attention="causal",
+        sliding_window=None,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **layer,
+    )
+    vocab = integer(config.get("vocab_size", LLAMA_DEFAULTS["vocab_size"]), "vocab_size")
+    draft_vocab = integer(required(config, "draft_vocab_size"), "draft_vocab_size")
+    target_hidden = config.get("target_hidden_size")
+    target = Target(
+        num_hidden_layers=None,
+        hidden_size=layer["hidden_size"]
+        if target_hidden is None
+        else integer(target_hidden, "target_hidden_size"),
+        vocab_size=vocab,
+    )
+    return layers, target, draft_vocab
 
 
 def one_layer_eagle3_problems(spec: DrafterSpec, owner: str) -> tuple[DecoderLayer, list[str]]:

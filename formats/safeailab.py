@@ -38,8 +38,6 @@ from woodcock.ir import (
     Fusion,
     Head,
     Taps,
-    Target,
-    VocabMap,
     Weights,
     error_prefix,
 )
@@ -116,31 +114,11 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             if config.get(key):
                 raise DrafterError(f"{key} = true: SafeAILab's layer has no biases")
         theta, scaling = _read_rope(config)
-        layers = hf.build_layers(
-            1,
-            eagle3=True,
-            style="llama",
-            attention="causal",
-            sliding_window=None,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            **kwargs,
-        )
-        vocab = hf.integer(config.get("vocab_size", hf.LLAMA_DEFAULTS["vocab_size"]), "vocab_size")
-        draft_vocab = hf.integer(hf.required(config, "draft_vocab_size"), "draft_vocab_size")
-        target_hidden = config.get("target_hidden_size")
-        target = Target(
-            num_hidden_layers=None,
-            hidden_size=hidden
-            if target_hidden is None
-            else hf.integer(target_hidden, "target_hidden_size"),
-            vocab_size=vocab,
-        )
+        layers, target, draft_vocab = hf.one_layer_eagle3(config, kwargs, theta, scaling)
     tensors = _read_weights(path)
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab)
+    vocab = hf.vocab_from_offsets(path, tensors, draft_vocab, target.vocab_size)
     has_embedding = "embed_tokens.weight" in tensors
-    if target_hidden is not None and not has_embedding:
+    if config.get("target_hidden_size") is not None and not has_embedding:
         raise DrafterError(
             f"{path}: target_hidden_size is set, so SafeAILab uses the checkpoint's own"
             " embed_tokens.weight, which is missing (the runtime would leave it random)"
@@ -155,7 +133,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             head=Head(lm_head="own", embedding="own" if has_embedding else "shared"),
             draft_vocab_size=draft_vocab,
         )
-        return Drafter(spec, VocabMap(ids), Weights(tensors))
+        return Drafter(spec, vocab, Weights(tensors))
 
 
 def _read_rope(config: dict) -> tuple[float, dict | None]:

@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from woodcock.errors import DrafterError
 from woodcock.formats import hf_config as hf
 from woodcock.ir import (
@@ -35,7 +33,6 @@ from woodcock.ir import (
     Head,
     Taps,
     Target,
-    VocabMap,
     Weights,
     error_prefix,
 )
@@ -150,7 +147,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         )
         draft_vocab_size = hf.integer(_require(config, "draft_vocab_size", int), "draft_vocab_size")
     tensors = read_checkpoint(path)
-    vocab = _read_vocab(path, tensors, draft_vocab_size, vocab_size)
+    vocab = hf.vocab_from_offsets(path, tensors, draft_vocab_size, vocab_size, needs_d2t=False)
     head = Head(
         lm_head="own" if "lm_head.weight" in tensors else "shared",
         embedding="own" if "embed_tokens.weight" in tensors else "shared",
@@ -348,14 +345,6 @@ def _tap_ids(stored: Any, override: Sequence[int] | None, algorithm_name: str) -
     if len(set(stored)) != len(stored):
         raise DrafterError(f"{key} = {stored!r}: repeated layer ids")
     return tuple(sorted(stored))  # the states are concatenated in ascending layer order
-
-
-def _read_vocab(
-    path: Path, tensors: dict[str, np.ndarray], draft_vocab: int, vocab: int
-) -> VocabMap:
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab, needs_d2t=False)
-    return VocabMap(ids)
 
 
 # ---------------------------------------------------------------------------------------------
