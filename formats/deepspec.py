@@ -147,27 +147,20 @@ def prepare(drafter: Drafter) -> hf.Output:
             f"a {' and '.join(shared)} shared with the target (DeepSpec stores both; pass"
             " --target to copy them in)"
         )
-    if problems:
-        raise DrafterError("DeepSpec DSpark cannot hold " + "; ".join(problems))
-    layer = block.check_block(spec, "DeepSpec DSpark")
-    config = {
-        "architectures": [ARCHITECTURE],
-        **block.block_config(layer, spec),
-        "block_size": algorithm.block_size,
-        "mask_token_id": algorithm.mask_token_id,
-        "target_layer_ids": stored_taps(spec),
-        "num_anchors": NUM_ANCHORS,
-        "enable_confidence_head": algorithm.confidence_head,
-        "confidence_head_with_markov": algorithm.confidence_head_with_markov,
-        "markov_rank": algorithm.markov_rank,
-        "markov_head_type": algorithm.markov_head_type,
-        **hf.torch_dtype(drafter),
-    }
-    tensors, sources = hf.output_tensors(drafter)
-    return hf.Output(
-        config,
-        tensors,
-        sources,
+    return block.output(
+        drafter,
+        "DeepSpec DSpark",
+        problems,
+        {"architectures": [ARCHITECTURE]},
+        lambda layer: {
+            "mask_token_id": algorithm.mask_token_id,
+            "target_layer_ids": stored_taps(spec),
+            "num_anchors": NUM_ANCHORS,
+            "enable_confidence_head": algorithm.confidence_head,
+            "confidence_head_with_markov": algorithm.confidence_head_with_markov,
+            "markov_rank": algorithm.markov_rank,
+            "markov_head_type": algorithm.markov_head_type,
+        },
         notes=[f"num_anchors = {NUM_ANCHORS} is a training setting the model class requires"],
     )
 

@@ -176,6 +176,33 @@ def refuse_own_head(path: Path, tensors: dict, fmt: str) -> None:
 # write
 
 
+def output(
+    drafter: Drafter,
+    fmt: str,
+    problems: Sequence[str],
+    identity: Mapping[str, Any],
+    own_keys: Callable[[DecoderLayer], Mapping[str, Any]],
+    notes: Sequence[str] = (),
+) -> hf.Output:
+    """What format `fmt` writes for a block drafter, or a DrafterError naming the `problems` the
+    format module found (what else it cannot hold), else those of `check_block`. The config:
+    `identity` (architectures, auto_map), the Qwen3 layers, block_size, `own_keys(layer)`, the
+    dtype; the tensors keep their canonical names."""
+    if problems:
+        raise DrafterError(f"{fmt} cannot hold " + "; ".join(problems))
+    spec = drafter.spec
+    layer = check_block(spec, fmt)
+    config = {
+        **identity,
+        **block_config(layer, spec),
+        "block_size": spec.algorithm.block_size,
+        **own_keys(layer),
+        **hf.torch_dtype(drafter),
+    }
+    tensors, sources = hf.output_tensors(drafter)
+    return hf.Output(config, tensors, sources, notes=list(notes))
+
+
 def check_block(spec: DrafterSpec, fmt: str) -> DecoderLayer:
     """What every block format here fixes: hidden_norm(fc(concat taps)) without tap norm or fc
     bias, taps as wide as the drafter, uniform full-attention Qwen3 layers, bidirectional in

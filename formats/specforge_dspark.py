@@ -187,34 +187,34 @@ def prepare(drafter: Drafter) -> hf.Output:
         problems.append("sample_from_anchor = false (SpecForge trains the anchor-first layout)")
     problems += block.shared_head_problems(drafter, "SpecForge DSpark")
     problems += block.target_layers_problems(spec, "SpecForge's DFlashDraftModel")
-    if problems:
-        raise DrafterError("SpecForge DSpark cannot hold " + "; ".join(problems))
-    layer = block.check_block(spec, "SpecForge DSpark")
     rank = algorithm.markov_rank
-    config = {
-        "architectures": [ARCHITECTURE],
-        "auto_map": dict(AUTO_MAP),
-        **block.block_config(layer, spec),
-        "block_size": algorithm.block_size,
-        "dflash_config": {
-            "attention_mode": "gqa"
-            if layer.num_key_value_heads < layer.num_attention_heads
-            else "mha",
-            "mask_token_id": algorithm.mask_token_id,
-            "target_layer_ids": stored_taps(spec),
-            "projector_type": "dspark",
-            "markov_rank": rank,
-            "markov_head_type": algorithm.markov_head_type,
-            "confidence_head_alpha": 1.0 if algorithm.confidence_head else 0.0,
-            "enable_confidence_head": algorithm.confidence_head,
-            # SpecForge refuses the flag without a Markov head even when the confidence head
-            # is off (where it is inert)
-            "confidence_head_with_markov": algorithm.confidence_head_with_markov and rank > 0,
-        },
-        **hf.torch_dtype(drafter),
-    }
-    tensors, sources = hf.output_tensors(drafter)
-    return hf.Output(config, tensors, sources)
+
+    def dflash_config(layer: DecoderLayer) -> dict:
+        return {
+            "dflash_config": {
+                "attention_mode": "gqa"
+                if layer.num_key_value_heads < layer.num_attention_heads
+                else "mha",
+                "mask_token_id": algorithm.mask_token_id,
+                "target_layer_ids": stored_taps(spec),
+                "projector_type": "dspark",
+                "markov_rank": rank,
+                "markov_head_type": algorithm.markov_head_type,
+                "confidence_head_alpha": 1.0 if algorithm.confidence_head else 0.0,
+                "enable_confidence_head": algorithm.confidence_head,
+                # SpecForge refuses the flag without a Markov head even when the confidence head
+                # is off (where it is inert)
+                "confidence_head_with_markov": algorithm.confidence_head_with_markov and rank > 0,
+            }
+        }
+
+    return block.output(
+        drafter,
+        "SpecForge DSpark",
+        problems,
+        {"architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP)},
+        dflash_config,
+    )
 
 
 def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:

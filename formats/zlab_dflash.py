@@ -133,22 +133,18 @@ def prepare(drafter: Drafter) -> hf.Output:
         problems.append("sample_from_anchor (z-lab drafts from the mask slots only)")
     problems += block.shared_head_problems(drafter, "z-lab DFlash")
     problems += block.target_layers_problems(spec, "z-lab's DFlashDraftModel")
-    if problems:
-        raise DrafterError("z-lab DFlash cannot hold " + "; ".join(problems))
-    layer = block.check_block(spec, "z-lab DFlash")
-    config = {
-        "architectures": [ARCHITECTURE],
-        "auto_map": dict(AUTO_MAP),
-        **block.block_config(layer, spec),
-        "block_size": algorithm.block_size,
-        "dflash_config": {
-            "mask_token_id": algorithm.mask_token_id,
-            "target_layer_ids": stored_taps(spec),
+    return block.output(
+        drafter,
+        "z-lab DFlash",
+        problems,
+        {"architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP)},
+        lambda layer: {
+            "dflash_config": {
+                "mask_token_id": algorithm.mask_token_id,
+                "target_layer_ids": stored_taps(spec),
+            }
         },
-        **hf.torch_dtype(drafter),
-    }
-    tensors, sources = hf.output_tensors(drafter)
-    return hf.Output(config, tensors, sources)
+    )
 
 
 def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
