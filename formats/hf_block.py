@@ -3,8 +3,8 @@ and DeepSpec): Qwen3 layers run on [anchor, MASK ...] with the fused context as 
 bidirectional in the block; the taps concatenated without a norm, fc without bias, the hidden
 norm after it; taps stored as "output of layer i"; the target's full vocabulary.
 
-`read` is the reading they share; each format module passes what is its own (its keys, its
-algorithm, where it stores the taps, whether the head is the target's).
+`read` and `output` are the reading and writing they share; each format module passes what is
+its own (its keys, its algorithm, where it stores the taps, whether the head is the target's).
 """
 
 from __future__ import annotations
