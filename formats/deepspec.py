@@ -28,17 +28,18 @@ from pathlib import Path
 
 from woodcock.converters.layer_ids import from_canonical
 from woodcock.errors import DrafterError
+from woodcock.formats import hf_block as block
 from woodcock.formats import hf_config as hf
 from woodcock.ir import (
+    DecoderLayer,
     Drafter,
     DrafterSpec,
     DSpark,
     Head,
-    error_prefix,
 )
 
 NAME = "deepspec-dspark"
-LAYER_CONVENTION = "layer_output"
+LAYER_CONVENTION = block.LAYER_CONVENTION
 SIGNATURE = "config.json with architectures Qwen3DSparkModel (flat target_layer_ids, markov_rank)"
 ARCHITECTURE = "Qwen3DSparkModel"
 NUM_ANCHORS = 512  # training only, but the model class requires the key; DeepSpec's value
@@ -53,7 +54,7 @@ DSPARK_KEYS = {
     "markov_rank",
     "markov_head_type",
 }
-KNOWN = hf.INERT_KEYS | hf.LAYER_KEYS | hf.BLOCK_KEYS | DSPARK_KEYS
+KNOWN = hf.INERT_KEYS | hf.LAYER_KEYS | block.BLOCK_KEYS | DSPARK_KEYS
 TAPS_KEY = "target_layer_ids"
 
 
@@ -76,43 +77,23 @@ def stored_name(canonical: str) -> str:
 
 def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
     """`taps` (canonical ids) must agree with target_layer_ids when both are given."""
-    path = Path(path)
-    config_path, config = hf.read_config(path)
-    with error_prefix(f"{config_path}: "):
-        hf.check_keys(config, KNOWN, "DeepSpec DSpark")
-        if config.get("tie_word_embeddings"):
-            raise DrafterError(
-                "tie_word_embeddings = true: DeepSpec stores lm_head and embed_tokens separately"
-            )
-        layers = hf.block_layers(config)
-        n = config.get("num_target_layers")
-        target_layers = None if n is None else hf.integer(n, "num_target_layers")
-        tap_ids = hf.read_taps(
-            config.get("target_layer_ids"),
-            taps,
-            LAYER_CONVENTION,
-            TAPS_KEY,
-            target_layers=target_layers,
-            hf_final_norm=True,
-        )
-        if any(i < 0 for i in tap_ids):
-            raise DrafterError(
-                f"target_layer_ids = {config.get('target_layer_ids')!r}: -1 (the embedding"
-                " output) is the lowest id"
-            )
-        vocab = hf.integer(config.get("vocab_size", hf.QWEN3_DEFAULTS["vocab_size"]), "vocab_size")
-        algorithm = _read_algorithm(config)
-    tensors = hf.read_tensors(path)
-    return hf.block_drafter(
+    return block.read(
         path,
-        algorithm,
-        layers,
-        target_layers=target_layers,
-        vocab=vocab,
-        tap_ids=tap_ids,
-        tensors=tensors,
+        "DeepSpec DSpark",
+        KNOWN,
+        _read_own,
+        taps=taps,
+        taps_key=TAPS_KEY,
         head=Head(lm_head="own", embedding="own"),
     )
+
+
+def _read_own(config: dict, layers: tuple[DecoderLayer, ...]) -> tuple[DSpark, list | None]:
+    if config.get("tie_word_embeddings"):
+        raise DrafterError(
+            "tie_word_embeddings = true: DeepSpec stores lm_head and embed_tokens separately"
+        )
+    return _read_algorithm(config), config.get("target_layer_ids")
 
 
 def _read_algorithm(config: dict) -> DSpark:
@@ -166,27 +147,20 @@ def prepare(drafter: Drafter) -> hf.Output:
             f"a {' and '.join(shared)} shared with the target (DeepSpec stores both; pass"
             " --target to copy them in)"
         )
-    if problems:
-        raise DrafterError("DeepSpec DSpark cannot hold " + "; ".join(problems))
-    layer = hf.check_block(spec, "DeepSpec DSpark")
-    config = {
-        "architectures": [ARCHITECTURE],
-        **hf.block_config(layer, spec),
-        "block_size": algorithm.block_size,
-        "mask_token_id": algorithm.mask_token_id,
-        "target_layer_ids": stored_taps(spec),
-        "num_anchors": NUM_ANCHORS,
-        "enable_confidence_head": algorithm.confidence_head,
-        "confidence_head_with_markov": algorithm.confidence_head_with_markov,
-        "markov_rank": algorithm.markov_rank,
-        "markov_head_type": algorithm.markov_head_type,
-        **hf.torch_dtype(drafter),
-    }
-    tensors, sources = hf.output_tensors(drafter)
-    return hf.Output(
-        config,
-        tensors,
-        sources,
+    return block.output(
+        drafter,
+        "DeepSpec DSpark",
+        problems,
+        {"architectures": [ARCHITECTURE]},
+        lambda layer: {
+            "mask_token_id": algorithm.mask_token_id,
+            "target_layer_ids": stored_taps(spec),
+            "num_anchors": NUM_ANCHORS,
+            "enable_confidence_head": algorithm.confidence_head,
+            "confidence_head_with_markov": algorithm.confidence_head_with_markov,
+            "markov_rank": algorithm.markov_rank,
+            "markov_head_type": algorithm.markov_head_type,
+        },
         notes=[f"num_anchors = {NUM_ANCHORS} is a training setting the model class requires"],
     )
 

@@ -21,15 +21,10 @@ from woodcock.errors import DrafterError
 from woodcock.ir import (
     ROPE_TYPES,
     DecoderLayer,
-    DFlash,
     Drafter,
     DrafterSpec,
-    Fusion,
-    Head,
-    Taps,
     Target,
     VocabMap,
-    Weights,
     error_prefix,
 )
 from woodcock.jsonfile import read_json_object, write_json
@@ -239,8 +234,12 @@ def stored_taps(
 
 def read_rope(config: Mapping[str, Any], allowed: Iterable[str] = ROPE_TYPES) -> tuple[float, Any]:
     """(rope_theta, rope_scaling in the IR's form) from either spelling: rope_theta/rope_scaling
-    (transformers 4) or rope_parameters (transformers 5)."""
+    (transformers 4) or rope_parameters (transformers 5, maybe one entry per layer type)."""
     params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        if len({repr(sorted(v.items())) for v in params.values()}) > 1:
+            raise DrafterError(f"rope_parameters = {params!r}: per-layer-type rope differs")
+        params = next(iter(params.values()))
     if params is not None:
         if not isinstance(params, dict) or "rope_theta" not in params:
             raise DrafterError(f"rope_parameters = {params!r}: expected an object with rope_theta")
@@ -317,29 +316,6 @@ def build_layers(count: int, **fields: Any) -> tuple[DecoderLayer, ...]:
         with error_prefix(f"layers[{i}]."):
             layers.append(DecoderLayer(**values))
     return tuple(layers)
-
-
-def check_full_attention(config: Mapping[str, Any], count: int) -> None:
-    """Block formats here run every layer as full attention; sliding layers in a block follow
-    rules (a window per slot) the IR does not describe, so they are refused."""
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != count:
-            raise DrafterError(
-                f"layer_types = {layer_types!r}: expected {count} entries (num_hidden_layers)"
-            )
-        if any(kind != "full_attention" for kind in layer_types):
-            raise DrafterError(
-                f"layer_types = {layer_types!r}: sliding-window layers in a block are not"
-                " supported (their per-slot window is not what the IR describes)"
-            )
-        return
-    if config.get("use_sliding_window"):
-        first = config.get("max_window_layers", QWEN3_DEFAULTS["max_window_layers"])
-        if integer(first, "max_window_layers") < count:
-            raise DrafterError(
-                "use_sliding_window = true makes some layers sliding-window layers; not supported"
-            )
 
 
 # The layer facts one Hugging Face config states for every layer.
@@ -453,16 +429,28 @@ def offsets_and_mask(drafter: Drafter) -> dict[str, np.ndarray]:
 
 def vocab_from_offsets(
     where: Path,
-    d2t: np.ndarray | None,
-    t2d: np.ndarray | None,
+    tensors: dict[str, np.ndarray],
     draft_vocab: int,
     vocab: int,
     *,
     needs_d2t: bool = True,
-) -> np.ndarray | None:
-    """Absolute target ids from `d2t` offsets and/or the `t2d` mask (checked against each other
-    when both are present); None for a full vocabulary, whose buffers must then be the identity.
+) -> VocabMap:
+    """The vocabulary map that the `d2t` offsets and/or the `t2d` mask give (checked against each
+    other when both are present), both taken out of `tensors`; absolute target ids, or none for
+    a full vocabulary, whose buffers must then be the identity.
     needs_d2t: the format's runtime maps drafts through d2t, so the mask alone is not enough."""
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    return VocabMap(_target_ids(where, d2t, t2d, draft_vocab, vocab, needs_d2t))
+
+
+def _target_ids(
+    where: Path,
+    d2t: np.ndarray | None,
+    t2d: np.ndarray | None,
+    draft_vocab: int,
+    vocab: int,
+    needs_d2t: bool,
+) -> np.ndarray | None:
     where = where / "model.safetensors" if where.is_dir() else where
     if needs_d2t and d2t is None and draft_vocab != vocab:
         raise DrafterError(
@@ -507,69 +495,33 @@ def write_output(output: Output, path: Path, *, force: bool) -> None:
         write_json(out / CONFIG, output.config)
 
 
-# ---------------------------------------------------------------------------------------------
-# Block drafters (z-lab DFlash, DeepSpec and SpecForge DSpark): Qwen3 layers run on
-# [anchor, MASK ...] with the fused context as extra keys/values, bidirectional in the block.
-
-BLOCK_KEYS = frozenset(
-    {
-        "layer_types",
-        "sliding_window",
-        "use_sliding_window",
-        "max_window_layers",
-        "tie_word_embeddings",
-    }
-)
-
-
-def block_drafter(
-    path: Path,
-    algorithm: DFlash,
-    layers: tuple[DecoderLayer, ...],
-    *,
-    target_layers: int | None,
-    vocab: int,
-    tap_ids: tuple[int, ...],
-    tensors: dict[str, np.ndarray],
-    head: Head,
-) -> Drafter:
-    """A full-vocabulary block drafter as the research formats store it: the taps concatenated
-    without a norm, fc without bias, the hidden norm after it."""
-    with error_prefix(f"{path}: "):
-        spec = DrafterSpec(
-            algorithm=algorithm,
-            target=Target(
-                num_hidden_layers=target_layers,
-                hidden_size=layers[0].hidden_size,
-                vocab_size=vocab,
-            ),
-            taps=Taps(tap_ids),
-            fusion=Fusion(tap_norm="none", fc_bias=False, hidden_norm=True),
-            layers=layers,
-            head=head,
-            draft_vocab_size=vocab,
-        )
-        return Drafter(spec, VocabMap(), Weights(tensors))
-
-
-def block_layers(config: Mapping[str, Any]) -> tuple[DecoderLayer, ...]:
-    count = integer(
-        config.get("num_hidden_layers", QWEN3_DEFAULTS["num_hidden_layers"]), "num_hidden_layers"
-    )
-    check_full_attention(config, count)
-    theta, scaling = read_rope(config)
-    return build_layers(
-        count,
-        style="qwen3",
-        input="hidden",
-        attention="block_bidirectional",
+def one_layer_eagle3(
+    config: Mapping[str, Any], layer: Mapping[str, Any], theta: float, scaling: Any
+) -> tuple[tuple[DecoderLayer, ...], Target, int]:
+    """What every one-layer Llama EAGLE-3 research format reads the same way: (its layer, from
+    `layer` (`layer_kwargs`) and the RoPE read; the target, from vocab_size and
+    target_hidden_size; draft_vocab_size)."""
+    layers = build_layers(
+        1,
+        eagle3=True,
+        style="llama",
+        attention="causal",
         sliding_window=None,
         rope_theta=theta,
         rope_scaling=scaling,
-        attention_bias=boolean(config.get("attention_bias", False), "attention_bias"),
-        mlp_bias=False,
-        **layer_kwargs(config, QWEN3_DEFAULTS),
+        **layer,
     )
+    vocab = integer(config.get("vocab_size", LLAMA_DEFAULTS["vocab_size"]), "vocab_size")
+    draft_vocab = integer(required(config, "draft_vocab_size"), "draft_vocab_size")
+    target_hidden = config.get("target_hidden_size")
+    target = Target(
+        num_hidden_layers=None,
+        hidden_size=layer["hidden_size"]
+        if target_hidden is None
+        else integer(target_hidden, "target_hidden_size"),
+        vocab_size=vocab,
+    )
+    return layers, target, draft_vocab
 
 
 def one_layer_eagle3_problems(spec: DrafterSpec, owner: str) -> tuple[DecoderLayer, list[str]]:
@@ -590,50 +542,3 @@ def one_layer_eagle3_problems(spec: DrafterSpec, owner: str) -> tuple[DecoderLay
     if layer.sliding_window is not None:
         problems.append(f"a sliding window of {layer.sliding_window}")
     return layer, problems
-
-
-def check_block(spec: DrafterSpec, fmt: str) -> DecoderLayer:
-    """What every block format here fixes: hidden_norm(fc(concat taps)) without tap norm or fc
-    bias, taps as wide as the drafter, uniform full-attention Qwen3 layers, bidirectional in
-    the block. Returns the layer facts for the config."""
-    problems = []
-    fusion = spec.fusion
-    if fusion.tap_norm != "none" or not fusion.hidden_norm or fusion.fc_bias:
-        problems.append(
-            f"fusion tap_norm={fusion.tap_norm!r}, hidden_norm={fusion.hidden_norm},"
-            f" fc_bias={fusion.fc_bias} (it computes hidden_norm(fc(concat)) only)"
-        )
-    if spec.target.hidden_size != spec.hidden_size:
-        problems.append(
-            f"target hidden size {spec.target.hidden_size} != draft hidden size"
-            f" {spec.hidden_size} (its fc is n_taps * hidden_size wide)"
-        )
-    for i, layer in enumerate(spec.layers):
-        if layer.style != "qwen3":
-            problems.append(f"layers[{i}] style {layer.style!r} (its layers are Qwen3 layers)")
-        if layer.mlp_bias:
-            problems.append(f"layers[{i}] MLP biases")
-        if layer.sliding_window is not None or layer.attention != "block_bidirectional":
-            problems.append(
-                f"layers[{i}] {layer.attention} attention with window {layer.sliding_window}"
-                " (only full, bidirectional-in-block attention)"
-            )
-    if problems:
-        raise DrafterError(f"{fmt} cannot hold " + "; ".join(problems))
-    return uniform_layers(spec, fmt)
-
-
-def block_config(layer: DecoderLayer, spec: DrafterSpec) -> dict[str, Any]:
-    count = len(spec.layers)
-    config = {
-        "model_type": "qwen3",
-        **layer_config(layer, count),
-        "layer_types": ["full_attention"] * count,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "max_window_layers": count,
-        "vocab_size": spec.target.vocab_size,
-    }
-    if spec.target.num_hidden_layers is not None:
-        config["num_target_layers"] = spec.target.num_hidden_layers
-    return config

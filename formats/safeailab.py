@@ -23,12 +23,9 @@ reader takes the IR's default.
 
 from __future__ import annotations
 
-import struct
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from woodcock.errors import DrafterError
@@ -41,12 +38,10 @@ from woodcock.ir import (
     Fusion,
     Head,
     Taps,
-    Target,
-    VocabMap,
     Weights,
     error_prefix,
 )
-from woodcock.tensorfile import map_file
+from woodcock.tensorfile import read_torch_bin
 
 NAME = "safeailab"
 LAYER_CONVENTION = CANONICAL_LAYER_CONVENTION
@@ -119,31 +114,11 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             if config.get(key):
                 raise DrafterError(f"{key} = true: SafeAILab's layer has no biases")
         theta, scaling = _read_rope(config)
-        layers = hf.build_layers(
-            1,
-            eagle3=True,
-            style="llama",
-            attention="causal",
-            sliding_window=None,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            **kwargs,
-        )
-        vocab = hf.integer(config.get("vocab_size", hf.LLAMA_DEFAULTS["vocab_size"]), "vocab_size")
-        draft_vocab = hf.integer(hf.required(config, "draft_vocab_size"), "draft_vocab_size")
-        target_hidden = config.get("target_hidden_size")
-        target = Target(
-            num_hidden_layers=None,
-            hidden_size=hidden
-            if target_hidden is None
-            else hf.integer(target_hidden, "target_hidden_size"),
-            vocab_size=vocab,
-        )
+        layers, target, draft_vocab = hf.one_layer_eagle3(config, kwargs, theta, scaling)
     tensors = _read_weights(path)
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab)
+    vocab = hf.vocab_from_offsets(path, tensors, draft_vocab, target.vocab_size)
     has_embedding = "embed_tokens.weight" in tensors
-    if target_hidden is not None and not has_embedding:
+    if config.get("target_hidden_size") is not None and not has_embedding:
         raise DrafterError(
             f"{path}: target_hidden_size is set, so SafeAILab uses the checkpoint's own"
             " embed_tokens.weight, which is missing (the runtime would leave it random)"
@@ -158,7 +133,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             head=Head(lm_head="own", embedding="own" if has_embedding else "shared"),
             draft_vocab_size=draft_vocab,
         )
-        return Drafter(spec, VocabMap(ids), Weights(tensors))
+        return Drafter(spec, vocab, Weights(tensors))
 
 
 def _read_rope(config: dict) -> tuple[float, dict | None]:
@@ -187,86 +162,6 @@ def _read_weights(path: Path) -> dict[str, np.ndarray]:
     if (path / BIN).is_file():  # the runtime tries pytorch_model.bin first
         return {hf.rename(k, RENAMES): v for k, v in read_torch_bin(path / BIN).items()}
     return hf.read_tensors(path, RENAMES)
-
-
-def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
-    """A torch state dict as numpy arrays, memory-mapped (torch.load with mmap and
-    weights_only: no pickle code runs). Needs torch."""
-    try:
-        import torch
-    except ImportError:
-        raise DrafterError(
-            f"{file}: reading pytorch_model.bin needs torch (pip install 'woodcock[torch]')"
-        ) from None
-    try:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except (RuntimeError, OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DrafterError(f"{file}: not a readable torch state dict ({first})") from None
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise DrafterError(f"{file}: expected a dict of tensor name -> tensor")
-    arrays = {}
-    for name, tensor in state.items():
-        if tensor.dtype == torch.bfloat16:
-            array = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        else:
-            try:
-                array = tensor.numpy()
-            except TypeError:
-                raise DrafterError(f"{file}: tensor {name!r} has dtype {tensor.dtype}") from None
-        arrays[name] = array
-    return _as_file_views(file, state, arrays)
-
-
-def _as_file_views(file: Path, state: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The arrays as views of our own map of the file instead of torch's, so that a conversion
-    copies them in the kernel and releases their pages as it goes. torch.load(mmap=True) maps
-    the whole file at one address, so every storage lies at base + its record's offset in the
-    zip; when that does not hold (another torch), torch's views are kept."""
-    sizes = {}  # address -> bytes of each distinct non-empty storage
-    for tensor in state.values():
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            sizes[storage.data_ptr()] = storage.nbytes()
-    storages, records = sorted(sizes.items()), _storage_records(file)
-    if not records or len(storages) != len(records):
-        return arrays
-    pairs = list(zip(storages, records, strict=True))
-    bases = {address - offset for (address, _), (offset, _) in pairs}
-    if len(bases) != 1 or any(size != stored for (_, size), (_, stored) in pairs):
-        return arrays
-    base = bases.pop()
-    mapped = map_file(file)
-    views = {}
-    for name, array in arrays.items():
-        if array.nbytes == 0 or not array.flags.c_contiguous:
-            views[name] = array
-            continue
-        offset = array.__array_interface__["data"][0] - base
-        views[name] = np.frombuffer(
-            mapped, dtype=array.dtype, count=array.size, offset=offset
-        ).reshape(array.shape)
-    return views
-
-
-def _storage_records(file: Path) -> list[tuple[int, int]]:
-    """(offset in the file, size) of each non-empty stored `*/data/<key>` record of a torch zip
-    file, in file order."""
-    records = []
-    with zipfile.ZipFile(file) as archive, open(file, "rb") as f:
-        for info in archive.infolist():
-            parts = info.filename.split("/")
-            if len(parts) != 3 or parts[1] != "data" or not info.file_size:
-                continue
-            if info.compress_type != zipfile.ZIP_STORED:
-                return []
-            f.seek(info.header_offset)
-            local = f.read(30)  # the local header: its name and extra lengths can differ
-            name_length, extra_length = struct.unpack("<HH", local[26:30])
-            records.append((info.header_offset + 30 + name_length + extra_length, info.file_size))
-    return sorted(records)
 
 
 # ---------------------------------------------------------------------------------------------

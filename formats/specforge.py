@@ -39,8 +39,6 @@ from woodcock.ir import (
     Fusion,
     Head,
     Taps,
-    Target,
-    VocabMap,
     Weights,
     error_prefix,
 )
@@ -127,31 +125,10 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
                 f"rope_scaling = {scaling!r}: SpecForge applies llama3 scaling only with all of"
                 f" {', '.join(sorted(LLAMA3_KEYS - {'rope_type'}))}"
             )
-        layers = hf.build_layers(
-            1,
-            eagle3=True,
-            style="llama",
-            attention="causal",
-            sliding_window=None,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            **kwargs,
-        )
-        hidden = kwargs["hidden_size"]
-        vocab = hf.integer(config.get("vocab_size", hf.LLAMA_DEFAULTS["vocab_size"]), "vocab_size")
-        draft_vocab = hf.integer(hf.required(config, "draft_vocab_size"), "draft_vocab_size")
-        target_hidden = config.get("target_hidden_size")
-        target = Target(
-            num_hidden_layers=None,
-            hidden_size=hidden
-            if target_hidden is None
-            else hf.integer(target_hidden, "target_hidden_size"),
-            vocab_size=vocab,
-        )
+        layers, target, draft_vocab = hf.one_layer_eagle3(config, kwargs, theta, scaling)
         fc_norm = hf.boolean(config.get("fc_norm", False), "fc_norm")
     tensors = hf.read_tensors(path, RENAMES)
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab)
+    vocab = hf.vocab_from_offsets(path, tensors, draft_vocab, target.vocab_size)
     with error_prefix(f"{path}: "):
         spec = DrafterSpec(
             algorithm=Eagle3(norm_before_residual=False, norm_output=False),
@@ -169,7 +146,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         )
         if len(spec.taps.layer_ids) != 3:
             raise DrafterError(f"{TAPS_KEY}: SpecForge EAGLE-3 fuses exactly three taps")
-        return Drafter(spec, VocabMap(ids), Weights(tensors))
+        return Drafter(spec, vocab, Weights(tensors))
 
 
 def _eagle_config_taps(config: dict) -> list | None:

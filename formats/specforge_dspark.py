@@ -31,15 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from woodcock.errors import DrafterError
+from woodcock.formats import hf_block as block
 from woodcock.formats import hf_config as hf
-from woodcock.formats.zlab_dflash import (
-    read_dflash_config,
-    read_target_layers,
-    refuse_own_head,
-    shared_head_problems,
-    target_layers_problems,
-)
 from woodcock.ir import (
+    DecoderLayer,
     Drafter,
     DrafterSpec,
     DSpark,
@@ -48,7 +43,7 @@ from woodcock.ir import (
 )
 
 NAME = "specforge-dspark"
-LAYER_CONVENTION = "layer_output"
+LAYER_CONVENTION = block.LAYER_CONVENTION
 SIGNATURE = "config.json with dflash_config.projector_type dspark (DSparkDraftModel)"
 ARCHITECTURE = "DSparkDraftModel"
 AUTO_MAP = {"AutoModel": "dspark.DSparkDraftModel"}
@@ -63,7 +58,7 @@ LEGACY_RENAMES = (
 KNOWN = (
     hf.INERT_KEYS
     | hf.LAYER_KEYS
-    | hf.BLOCK_KEYS
+    | block.BLOCK_KEYS
     | {
         "auto_map",
         "block_size",
@@ -112,39 +107,25 @@ def stored_taps(spec: DrafterSpec) -> list[int]:
 
 def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
     """`taps` (canonical ids) supplies the taps when dflash_config does not record them."""
-    path = Path(path)
-    config_path, config = hf.read_config(path)
-    with error_prefix(f"{config_path}: "):
-        hf.check_keys(config, KNOWN, "SpecForge DSpark")
-        dspark = read_dflash_config(config, DSPARK_CONFIG_KEYS)
-        projector = dspark.get("projector_type", "dspark")
-        if projector != "dspark":
-            raise DrafterError(f"dflash_config.projector_type = {projector!r}: expected 'dspark'")
-        layers = hf.block_layers(config)
-        _check_attention_mode(dspark, layers[0])
-        target_layers = read_target_layers(config)
-        tap_ids = hf.read_taps(
-            dspark.get("target_layer_ids"),
-            taps,
-            LAYER_CONVENTION,
-            TAPS_KEY,
-            target_layers=target_layers,
-            hf_final_norm=True,
-        )
-        vocab = hf.integer(config.get("vocab_size", hf.QWEN3_DEFAULTS["vocab_size"]), "vocab_size")
-        algorithm = _read_algorithm(config, dspark)
-    tensors = hf.read_tensors(path, LEGACY_RENAMES)
-    refuse_own_head(path, tensors, "SpecForge DSpark")
-    return hf.block_drafter(
+    return block.read(
         path,
-        algorithm,
-        layers,
-        target_layers=target_layers,
-        vocab=vocab,
-        tap_ids=tap_ids,
-        tensors=tensors,
+        "SpecForge DSpark",
+        KNOWN,
+        _read_own,
+        taps=taps,
+        taps_key=TAPS_KEY,
         head=Head(lm_head="shared", embedding="shared"),
+        renames=LEGACY_RENAMES,
     )
+
+
+def _read_own(config: dict, layers: tuple[DecoderLayer, ...]) -> tuple[DSpark, list | None]:
+    dspark = block.read_dflash_config(config, DSPARK_CONFIG_KEYS)
+    projector = dspark.get("projector_type", "dspark")
+    if projector != "dspark":
+        raise DrafterError(f"dflash_config.projector_type = {projector!r}: expected 'dspark'")
+    _check_attention_mode(dspark, layers[0])
+    return _read_algorithm(config, dspark), dspark.get("target_layer_ids")
 
 
 def _read_algorithm(config: dict, dspark: dict) -> DSpark:
@@ -204,36 +185,36 @@ def prepare(drafter: Drafter) -> hf.Output:
     problems = []
     if not algorithm.sample_from_anchor:
         problems.append("sample_from_anchor = false (SpecForge trains the anchor-first layout)")
-    problems += shared_head_problems(drafter, "SpecForge DSpark")
-    problems += target_layers_problems(spec, "SpecForge's DFlashDraftModel")
-    if problems:
-        raise DrafterError("SpecForge DSpark cannot hold " + "; ".join(problems))
-    layer = hf.check_block(spec, "SpecForge DSpark")
+    problems += block.shared_head_problems(drafter, "SpecForge DSpark")
+    problems += block.target_layers_problems(spec, "SpecForge's DFlashDraftModel")
     rank = algorithm.markov_rank
-    config = {
-        "architectures": [ARCHITECTURE],
-        "auto_map": dict(AUTO_MAP),
-        **hf.block_config(layer, spec),
-        "block_size": algorithm.block_size,
-        "dflash_config": {
-            "attention_mode": "gqa"
-            if layer.num_key_value_heads < layer.num_attention_heads
-            else "mha",
-            "mask_token_id": algorithm.mask_token_id,
-            "target_layer_ids": stored_taps(spec),
-            "projector_type": "dspark",
-            "markov_rank": rank,
-            "markov_head_type": algorithm.markov_head_type,
-            "confidence_head_alpha": 1.0 if algorithm.confidence_head else 0.0,
-            "enable_confidence_head": algorithm.confidence_head,
-            # SpecForge refuses the flag without a Markov head even when the confidence head
-            # is off (where it is inert)
-            "confidence_head_with_markov": algorithm.confidence_head_with_markov and rank > 0,
-        },
-        **hf.torch_dtype(drafter),
-    }
-    tensors, sources = hf.output_tensors(drafter)
-    return hf.Output(config, tensors, sources)
+
+    def dflash_config(layer: DecoderLayer) -> dict:
+        return {
+            "dflash_config": {
+                "attention_mode": "gqa"
+                if layer.num_key_value_heads < layer.num_attention_heads
+                else "mha",
+                "mask_token_id": algorithm.mask_token_id,
+                "target_layer_ids": stored_taps(spec),
+                "projector_type": "dspark",
+                "markov_rank": rank,
+                "markov_head_type": algorithm.markov_head_type,
+                "confidence_head_alpha": 1.0 if algorithm.confidence_head else 0.0,
+                "enable_confidence_head": algorithm.confidence_head,
+                # SpecForge refuses the flag without a Markov head even when the confidence head
+                # is off (where it is inert)
+                "confidence_head_with_markov": algorithm.confidence_head_with_markov and rank > 0,
+            }
+        }
+
+    return block.output(
+        drafter,
+        "SpecForge DSpark",
+        problems,
+        {"architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP)},
+        dflash_config,
+    )
 
 
 def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:

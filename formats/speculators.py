@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from woodcock.errors import DrafterError
 from woodcock.formats import hf_config as hf
 from woodcock.ir import (
@@ -35,7 +33,6 @@ from woodcock.ir import (
     Head,
     Taps,
     Target,
-    VocabMap,
     Weights,
     error_prefix,
 )
@@ -81,7 +78,6 @@ ALGORITHM_KEYS = {
     "dspark": {*BLOCK_KEYS, "sliding_window_non_causal", *DSPARK_KEYS},
 }
 
-DEFAULT_ROPE_THETA = 10000.0
 # Keys of transformer_layer_config read besides the class defaults' own.
 LAYER_KEYS_READ = {
     "model_type",
@@ -136,7 +132,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         tap_ids = _tap_ids(stored_taps, taps, algorithm_name)
         default_vocab = hf.HF_LAYER_DEFAULTS[_style(layer_config)]["vocab_size"]
         vocab_size = layer_config.get("vocab_size", default_vocab)
-        vocab_size = _int(vocab_size, "transformer_layer_config.vocab_size")
+        vocab_size = hf.integer(vocab_size, "transformer_layer_config.vocab_size")
         hidden = layers[0].hidden_size
         target_hidden = config.get("target_hidden_size")
         verifier = config["speculators_config"]["verifier"]
@@ -144,14 +140,14 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             num_hidden_layers=None,
             hidden_size=hidden
             if target_hidden is None
-            else _int(target_hidden, "target_hidden_size"),
+            else hf.integer(target_hidden, "target_hidden_size"),
             vocab_size=vocab_size,
             name_or_path=verifier.get("name_or_path"),
             architectures=tuple(verifier.get("architectures") or ()),
         )
-        draft_vocab_size = _int(_require(config, "draft_vocab_size", int), "draft_vocab_size")
+        draft_vocab_size = hf.integer(_require(config, "draft_vocab_size", int), "draft_vocab_size")
     tensors = read_checkpoint(path)
-    vocab = _read_vocab(path, tensors, draft_vocab_size, vocab_size)
+    vocab = hf.vocab_from_offsets(path, tensors, draft_vocab_size, vocab_size, needs_d2t=False)
     head = Head(
         lm_head="own" if "lm_head.weight" in tensors else "shared",
         embedding="own" if "embed_tokens.weight" in tensors else "shared",
@@ -178,12 +174,6 @@ def _require(mapping: dict, key: str, kind: type) -> Any:
     return value
 
 
-def _int(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise DrafterError(f"{name} = {value!r}: expected an integer")
-    return value
-
-
 def _style(layer_config: dict) -> str:
     model_type = layer_config.get(
         "model_type", "qwen3"
@@ -203,18 +193,16 @@ def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderL
         raise DrafterError(
             f"unknown key(s) {', '.join(unknown)} (they may change the layer's math)"
         )
-    value = {key: cfg.get(key, default) for key, default in defaults.items()}
-    heads = _int(value["num_attention_heads"], "num_attention_heads")
-    hidden = _int(value["hidden_size"], "hidden_size")
-    kv_heads = heads if value["num_key_value_heads"] is None else value["num_key_value_heads"]
-    head_dim = hidden // heads if value["head_dim"] is None else value["head_dim"]
-    num_layers = _int(value["num_hidden_layers"], "num_hidden_layers")
+    kwargs = hf.layer_kwargs(cfg, defaults)
+    num_layers = hf.integer(
+        cfg.get("num_hidden_layers", defaults["num_hidden_layers"]), "num_hidden_layers"
+    )
     layer_types = _layer_types(cfg, style, num_layers)
     any_sliding = "sliding_attention" in layer_types
     window = cfg.get("sliding_window", defaults.get("sliding_window")) if any_sliding else None
     if any_sliding and not isinstance(window, int):
         raise DrafterError(f"sliding_window = {window!r}: expected an integer for sliding layers")
-    theta, scaling = _rope(cfg)
+    theta, scaling = hf.read_rope(cfg)
     mlp_bias = cfg.get("mlp_bias", False) or False
     block = algorithm_name != "eagle3"
     if block and any_sliding:
@@ -241,18 +229,11 @@ def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderL
                     input="embed_and_hidden" if not block and i == 0 else "hidden",
                     attention=attention,
                     sliding_window=window if sliding else None,
-                    hidden_size=hidden,
-                    intermediate_size=value["intermediate_size"],
-                    num_attention_heads=heads,
-                    num_key_value_heads=kv_heads,
-                    head_dim=head_dim,
-                    rms_norm_eps=value["rms_norm_eps"],
                     rope_theta=theta,
                     rope_scaling=scaling,
-                    max_position_embeddings=value["max_position_embeddings"],
-                    attention_bias=value["attention_bias"],
+                    attention_bias=cfg.get("attention_bias", defaults["attention_bias"]),
                     mlp_bias=mlp_bias,
-                    hidden_act=value["hidden_act"],
+                    **kwargs,
                 )
             )
     return tuple(layers)
@@ -280,35 +261,6 @@ def _layer_types(cfg: dict, style: str, num_layers: int) -> list[str]:
         # Qwen3Config drops the window when use_sliding_window is false
         return ["full_attention"] * num_layers
     return layer_types
-
-
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        distinct = {repr(sorted(v.items())) for v in params.values()}
-        if len(distinct) > 1:
-            raise DrafterError(f"rope_parameters = {params!r}: per-layer-type rope differs")
-        params = next(iter(params.values()))
-    if params is None:
-        theta = cfg.get("rope_theta", DEFAULT_ROPE_THETA)
-        scaling = dict(cfg.get("rope_scaling") or {})
-    elif isinstance(params, dict):
-        if "rope_theta" not in params:
-            raise DrafterError(f"rope_parameters = {params!r}: expected a rope_theta")
-        theta = params["rope_theta"]
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        raise DrafterError(f"rope_parameters = {params!r}: expected an object")
-    if "type" in scaling:  # pre-4.45 spelling
-        scaling["rope_type"] = scaling.pop("type")
-    if not isinstance(theta, int | float) or isinstance(theta, bool):
-        raise DrafterError(f"rope_theta = {theta!r}: expected a number")
-    if scaling.get("rope_type", "default") == "default":
-        extra = sorted(set(scaling) - {"rope_type"})
-        if extra:
-            raise DrafterError(f"rope parameters {', '.join(extra)} given for default RoPE")
-        return float(theta), None
-    return float(theta), scaling
 
 
 def _read_speculators_config(config: dict, algorithm_name: str) -> dict:
@@ -348,7 +300,7 @@ def _read_algorithm(config: dict, name: str, proposal: dict) -> tuple[Any, Fusio
         algorithm = Eagle3(
             norm_before_residual=flags["norm_before_residual"],
             norm_output=flags["norm_output"],
-            speculative_tokens=_int(proposal.get("speculative_tokens"), "speculative_tokens"),
+            speculative_tokens=hf.integer(proposal.get("speculative_tokens"), "speculative_tokens"),
         )
         return algorithm, Fusion(tap_norm=tap_norm, fc_bias=False, hidden_norm=False)
     # the tap ids are checked with the taps, where --taps can supply them
@@ -395,14 +347,6 @@ def _tap_ids(stored: Any, override: Sequence[int] | None, algorithm_name: str) -
     return tuple(sorted(stored))  # the states are concatenated in ascending layer order
 
 
-def _read_vocab(
-    path: Path, tensors: dict[str, np.ndarray], draft_vocab: int, vocab: int
-) -> VocabMap:
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
-    ids = hf.vocab_from_offsets(path, d2t, t2d, draft_vocab, vocab, needs_d2t=False)
-    return VocabMap(ids)
-
-
 # ---------------------------------------------------------------------------------------------
 # write
 
@@ -415,9 +359,7 @@ def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:
         tensors |= hf.offsets_and_mask(drafter)
     dtypes = drafter.weights.dtypes
     if len(dtypes) == 1:
-        config["dtype"] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
-            next(iter(dtypes))
-        )
+        config["dtype"] = hf.TORCH_DTYPES.get(next(iter(dtypes)))
     with staged_directory(path, force=force) as out:
         write_safetensors(out / "model.safetensors", tensors, {"format": "pt"}, digest=False)
         write_json(out / "config.json", config)

@@ -6,6 +6,7 @@ line saying why, and nothing is written."""
 
 import dataclasses
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -17,8 +18,15 @@ from woodcock.formats.detect import FORMATS, detect, format_named
 from woodcock.ir import Drafter, Fusion, Head, Taps
 from woodcock.loading import load_drafter
 from woodcock.reference import TorchDrafter
+from woodcock.staging import check, checks_in_background, staged_directory
 from woodcock.synthetic import random_drafter, tiny_spec
-from woodcock.tensorfile import write_safetensors
+from woodcock.tensorfile import (
+    COPY_ALIGNMENT,
+    file_sha256,
+    read_header,
+    read_safetensors,
+    write_safetensors,
+)
 
 V, H = 96, 32
 TARGET_LAYERS = 8
@@ -250,10 +258,6 @@ def test_a_source_failing_its_sha256_leaves_no_output(tmp_path, capsys, dest_for
 
 
 def test_background_checks_gate_the_staged_output(tmp_path):
-    import threading
-
-    from woodcock.staging import check, checks_in_background, staged_directory
-
     release, ran_in = threading.Event(), []
 
     def failing_check():
@@ -315,14 +319,6 @@ def test_a_fused_bias_or_concat_norm_is_refused_by_every_research_format(tmp_pat
 
 
 def test_unhashed_writes_copy_mapped_tensors_page_aligned(tmp_path):
-    from woodcock.tensorfile import (
-        COPY_ALIGNMENT,
-        file_sha256,
-        read_header,
-        read_safetensors,
-        write_safetensors,
-    )
-
     rng = np.random.default_rng(0)
     arrays = {
         "a": rng.standard_normal((300, 70)).astype(np.float32),
@@ -385,8 +381,6 @@ def resident_mb():
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux /proc")
 @pytest.mark.parametrize("digest", [True, False])
 def test_writing_does_not_keep_the_source_resident(tmp_path, digest):
-    from woodcock.tensorfile import read_safetensors, write_safetensors
-
     big = np.ones((64, 1024, 1024), np.uint8)  # 64 MiB
     write_safetensors(tmp_path / "src.safetensors", {"big": big})
     del big

@@ -13,6 +13,7 @@ from woodcock.ir import (
     Head,
     Taps,
     Target,
+    VocabCounts,
     VocabMap,
     spec_from_dict,
     spec_to_dict,
@@ -226,8 +227,6 @@ def test_bad_weights_and_vocab_maps():
 
 
 def test_vocab_counts_must_cover_the_target_vocab():
-    from woodcock.ir import VocabCounts
-
     spec = tiny_spec("eagle3")
     with pytest.raises(DrafterError, match=r"vocab.counts.shape = \(10,\): expected \(96,\)"):
         Drafter(spec, VocabMap(counts=VocabCounts(np.ones(10, np.int64))), random_weights(spec))

@@ -17,10 +17,10 @@ from woodcock.errors import DrafterError
 from woodcock.formats import speculators
 from woodcock.ir import Drafter, Head, Taps, Target
 from woodcock.loading import load_drafter
+from woodcock.parity import block_parity
 from woodcock.reference import TorchDrafter
 from woodcock.runtime.block import BlockDrafter
 from woodcock.runtime.decode import Stats
-from woodcock.runtime.parity import block_parity
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec
 

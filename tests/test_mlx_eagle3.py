@@ -13,15 +13,16 @@ import torch
 from helpers import run_cli
 from mlx.utils import tree_flatten
 
+from woodcock import parity as parity_module
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, Head
 from woodcock.loading import save_drafter
+from woodcock.parity import eagle3_parity, parity
 from woodcock.reference import TorchDrafter
 from woodcock.reference.layers import apply_rope as torch_apply_rope
 from woodcock.reference.layers import inverse_frequencies as torch_inverse_frequencies
 from woodcock.reference.layers import rms_norm as torch_rms_norm
 from woodcock.reference.layers import rope_tables as torch_rope_tables
-from woodcock.runtime import parity as parity_module
 from woodcock.runtime.eagle3 import Eagle3Drafter, Eagle3Model
 from woodcock.runtime.layers import (
     KVCache,
@@ -32,7 +33,6 @@ from woodcock.runtime.layers import (
     rope_tables,
     to_mx,
 )
-from woodcock.runtime.parity import eagle3_parity, parity
 from woodcock.synthetic import random_drafter, tiny_spec
 from woodcock.tensorfile import write_safetensors
 

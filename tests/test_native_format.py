@@ -14,7 +14,7 @@ from woodcock.formats import native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.loading import load_drafter, save_drafter
 from woodcock.synthetic import random_drafter, tiny_spec
-from woodcock.tensorfile import file_sha256, read_safetensors, write_safetensors
+from woodcock.tensorfile import dtype_name, file_sha256, read_safetensors, write_safetensors
 
 
 def with_counts(drafter: Drafter, seed: int) -> Drafter:
@@ -116,8 +116,6 @@ def rewrite_weights(path: Path, edit) -> None:
 
 
 def _dtype(array):
-    from woodcock.tensorfile import dtype_name
-
     return dtype_name(array)
 
 

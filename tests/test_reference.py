@@ -4,6 +4,8 @@ whole layers, and the target wrapper against transformers models built here (no 
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -892,9 +894,6 @@ def test_torch_target(style, tie, tmp_path):
 
 
 def test_missing_torch_names_the_extra():
-    import subprocess
-    import sys
-
     code = "import sys; sys.modules['torch'] = None; import woodcock.reference"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0

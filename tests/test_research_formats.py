@@ -720,8 +720,6 @@ def test_round_trip_is_bit_exact(tmp_path, fmt, spec, dtype):
 
 
 def test_reading_keeps_tensors_memory_mapped(tmp_path):
-    from helpers import base_is_mmap
-
     spec = dataclasses.replace(tiny("eagle3", draft_vocab_size=40), taps=Taps((2, 4, 5)))
     safeailab.write(random_drafter(spec), tmp_path / "s")
     drafter = safeailab.read(tmp_path / "s", taps=[2, 4, 5])

@@ -77,7 +77,7 @@ def test_hf_layer_defaults_match_transformers():
                 assert cls(use_sliding_window=True).sliding_window == value
             else:
                 assert getattr(reference, key) == value, (style, key)
-        assert reference.rope_parameters["rope_theta"] == speculators.DEFAULT_ROPE_THETA
+        assert reference.rope_parameters["rope_theta"] == hf_config.DEFAULT_ROPE_THETA
     llama = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4)
     assert llama.head_dim == 16 and llama.num_key_value_heads == 4  # the derived defaults
 

@@ -20,9 +20,9 @@ from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.ir import Drafter, VocabMap
 from woodcock.loading import load_drafter_with_format
+from woodcock.parity import block_parity
 from woodcock.runtime.block import BlockDrafter
 from woodcock.runtime.decode import Stats
-from woodcock.runtime.parity import block_parity
 from woodcock.runtime.target import MlxTarget
 from woodcock.train import train as T
 from woodcock.train.block_model import (

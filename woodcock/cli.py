@@ -179,8 +179,8 @@ def parity(
     every intermediate tensor and every step's logits, and the greedy tokens. Exit code 1 when a
     difference exceeds the tolerance (1e-4) or the tokens differ."""
     from woodcock.loading import load_drafter
-    from woodcock.runtime.parity import parity as run_parity
-    from woodcock.runtime.parity import render_text
+    from woodcock.parity import parity as run_parity
+    from woodcock.parity import render_text
     from woodcock.target_checkpoint import load_target_tensors
 
     drafter = load_drafter(path)

@@ -2,7 +2,8 @@
 
 numpy cannot hold bfloat16 by itself; `ml_dtypes` gives it a real dtype, so a BF16 tensor is a
 zero-copy view of the file and survives a read-write cycle bit for bit. The official `safetensors`
-package refuses BF16 for numpy, hence this small reader.
+package refuses BF16 for numpy, hence this small reader. Torch zip state dicts
+(pytorch_model.bin) are read as numpy views of the file too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import queue
 import struct
 import threading
 import weakref
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -190,6 +192,86 @@ def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
                 raise DrafterError(f"{file}: tensor {name!r} also appears in another shard")
             tensors[name] = array
     return tensors
+
+
+def read_torch_bin(file: Path) -> dict[str, np.ndarray]:
+    """A torch state dict as numpy arrays, memory-mapped (torch.load with mmap and
+    weights_only: no pickle code runs). Needs torch."""
+    try:
+        import torch
+    except ImportError:
+        raise DrafterError(
+            f"{file}: reading pytorch_model.bin needs torch (pip install 'woodcock[torch]')"
+        ) from None
+    try:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DrafterError(f"{file}: not a readable torch state dict ({first})") from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise DrafterError(f"{file}: expected a dict of tensor name -> tensor")
+    arrays = {}
+    for name, tensor in state.items():
+        if tensor.dtype == torch.bfloat16:
+            array = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            try:
+                array = tensor.numpy()
+            except TypeError:
+                raise DrafterError(f"{file}: tensor {name!r} has dtype {tensor.dtype}") from None
+        arrays[name] = array
+    return _as_file_views(file, state, arrays)
+
+
+def _as_file_views(file: Path, state: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays as views of our own map of the file instead of torch's, so that a conversion
+    copies them in the kernel and releases their pages as it goes. torch.load(mmap=True) maps
+    the whole file at one address, so every storage lies at base + its record's offset in the
+    zip; when that does not hold (another torch), torch's views are kept."""
+    sizes = {}  # address -> bytes of each distinct non-empty storage
+    for tensor in state.values():
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            sizes[storage.data_ptr()] = storage.nbytes()
+    storages, records = sorted(sizes.items()), _storage_records(file)
+    if not records or len(storages) != len(records):
+        return arrays
+    pairs = list(zip(storages, records, strict=True))
+    bases = {address - offset for (address, _), (offset, _) in pairs}
+    if len(bases) != 1 or any(size != stored for (_, size), (_, stored) in pairs):
+        return arrays
+    base = bases.pop()
+    mapped = map_file(file)
+    views = {}
+    for name, array in arrays.items():
+        if array.nbytes == 0 or not array.flags.c_contiguous:
+            views[name] = array
+            continue
+        offset = array.__array_interface__["data"][0] - base
+        views[name] = np.frombuffer(
+            mapped, dtype=array.dtype, count=array.size, offset=offset
+        ).reshape(array.shape)
+    return views
+
+
+def _storage_records(file: Path) -> list[tuple[int, int]]:
+    """(offset in the file, size) of each non-empty stored `*/data/<key>` record of a torch zip
+    file, in file order."""
+    records = []
+    with zipfile.ZipFile(file) as archive, open(file, "rb") as f:
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) != 3 or parts[1] != "data" or not info.file_size:
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                return []
+            f.seek(info.header_offset)
+            local = f.read(30)  # the local header: its name and extra lengths can differ
+            name_length, extra_length = struct.unpack("<HH", local[26:30])
+            records.append((info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return sorted(records)
 
 
 def _empty(entry: dict) -> np.ndarray:

@@ -10,14 +10,16 @@ For every variant built with speculators' own classes:
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 from speculators_variants import SEQ, VARIANT_NAMES, VARIANTS
 
+from woodcock.errors import DrafterError
 from woodcock.formats import speculators as speculators_format
 from woodcock.target_checkpoint import load_target_tensors
-from woodcock.tensorfile import read_safetensors
+from woodcock.tensorfile import read_safetensors, write_safetensors
 
 pytestmark = [
     pytest.mark.slow,
@@ -184,10 +186,6 @@ def test_our_writer_round_trips_and_reloads_in_speculators(
 
 def test_refused_speculators_checkpoints_name_the_problem(built, tmp_path):
     """Real speculators files, damaged the ways users meet: one clear DrafterError each."""
-    import shutil
-
-    from woodcock.errors import DrafterError
-
     for name, edit, message in (
         (
             "dflash_full_attention",
@@ -209,8 +207,6 @@ def test_refused_speculators_checkpoints_name_the_problem(built, tmp_path):
     tensors = {k: np.array(v) for k, v in tensors.items()}
     tensors["d2t"][5] = tensors["d2t"][4] - 1  # draft 5 -> the same target id as draft 4
     tensors.pop("t2d")
-    from woodcock.tensorfile import write_safetensors
-
     write_safetensors(path / "model.safetensors", tensors, metadata)
     with pytest.raises(DrafterError, match=r"draft_to_target\[5\] = \d+: .*repeats"):
         speculators_format.read(path)

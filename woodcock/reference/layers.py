@@ -8,14 +8,12 @@ checkpoint's, so `state_dict()` keys are the canonical tensor names with no rena
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from woodcock import ir
-from woodcock.errors import DrafterError
+from woodcock import ir, rope
 
 Tensor = torch.Tensor
 
@@ -43,53 +41,16 @@ class RMSNorm(nn.Module):
 # RoPE
 
 
-def _rope_parameter(scaling: dict, key: str, rope_type: str) -> float:
-    if key not in scaling:
-        raise DrafterError(f"rope_scaling.{key} missing: rope_type {rope_type!r} needs it")
-    return scaling[key]
+def _torch_powers(theta: float, exponents: np.ndarray) -> np.ndarray:
+    # Written as transformers writes it (power of a python float by an fp32 tensor) so that
+    # torch's own powf rounds it: the reference equals transformers bit for bit.
+    return (theta ** torch.from_numpy(exponents)).numpy()
 
 
 def inverse_frequencies(layer: ir.DecoderLayer) -> Tensor:
-    """inv_freq [head_dim / 2] in fp32, computed with transformers' formulas and op order for the
-    default, "linear" and "llama3" rope types; anything else is refused rather than guessed."""
-    dim = layer.head_dim
-    # Written as transformers writes it (power of a python float by an fp32 tensor, then a
-    # reciprocal) so the fp32 rounding is the same bit for bit.
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
-    inv_freq = 1.0 / (layer.rope_theta**exponents)
-    scaling = layer.rope_scaling
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type")
-    partial = scaling.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise DrafterError(
-            f"rope_scaling.partial_rotary_factor = {partial!r}: the torch reference rotates the"
-            " whole head (1.0)"
-        )
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / _rope_parameter(scaling, "factor", rope_type)
-    if rope_type == "llama3":
-        factor = _rope_parameter(scaling, "factor", rope_type)
-        low = _rope_parameter(scaling, "low_freq_factor", rope_type)
-        high = _rope_parameter(scaling, "high_freq_factor", rope_type)
-        # transformers' docstring: falls back to max_position_embeddings when not given.
-        old_context = scaling.get("original_max_position_embeddings", layer.max_position_embeddings)
-        low_wavelen = old_context / low
-        high_wavelen = old_context / high
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, blended, scaled)
-    raise DrafterError(
-        f"rope_scaling.rope_type = {rope_type!r}: the torch reference implements default,"
-        " 'linear' and 'llama3' RoPE only"
-    )
+    """inv_freq [head_dim / 2] in fp32, as transformers computes it (`woodcock.rope`, with
+    torch's powers)."""
+    return torch.from_numpy(rope.inverse_frequencies(layer, "the torch reference", _torch_powers))
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from woodcock.errors import DrafterError
+from woodcock.loading import resolve_source
 
 Tensor = torch.Tensor
 
@@ -23,8 +24,6 @@ class TorchTarget:
     def __init__(self, path_or_model: str | os.PathLike | nn.Module, dtype=torch.float32):
         if isinstance(path_or_model, str | os.PathLike):
             from transformers import AutoModelForCausalLM
-
-            from woodcock.loading import resolve_source
 
             path: Path = resolve_source(path_or_model)
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

@@ -14,7 +14,6 @@ slower); RMSNorm statistics are fp32 as in transformers whatever that dtype is.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import ml_dtypes
@@ -22,8 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from woodcock import ir
-from woodcock.errors import DrafterError
+from woodcock import ir, rope
 
 # ---------------------------------------------------------------------------------------------
 # numpy -> MLX
@@ -115,57 +113,10 @@ class RMSNorm(nn.Module):
 # RoPE
 
 
-def _rope_parameter(scaling: dict, key: str, rope_type: str) -> float:
-    if key not in scaling:
-        raise DrafterError(f"rope_scaling.{key} missing: rope_type {rope_type!r} needs it")
-    return scaling[key]
-
-
 def inverse_frequencies(layer: ir.DecoderLayer) -> np.ndarray:
-    """inv_freq [head_dim / 2] fp32 for the default, "linear" and "llama3" rope types, with the
-    reference's (transformers') formulas and fp32 operation order; other types are refused.
-
-    torch takes the power with its own vectorised powf, which is not correctly rounded: here the
-    power is correctly rounded instead, so about 1 % of entries differ from torch's by one ulp
-    (an angle error of the order of fp32's own rounding of position * inv_freq). Everything
-    after the power (scaling, llama3's blend) is the same fp32 arithmetic bit for bit."""
-    f32 = np.float32
-    dim = layer.head_dim
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(f32) / f32(dim)
-    # torch computes pow(fp32(theta), e) in fp32: round theta first, then the exact power.
-    powers = (np.float64(f32(layer.rope_theta)) ** exponents.astype(np.float64)).astype(f32)
-    inv_freq = f32(1.0) / powers
-    scaling = layer.rope_scaling
-    if scaling is None:
-        return inv_freq
-    rope_type = scaling.get("rope_type")
-    partial_factor = scaling.get("partial_rotary_factor", 1.0)
-    if partial_factor != 1.0:
-        raise DrafterError(
-            f"rope_scaling.partial_rotary_factor = {partial_factor!r}: the MLX runtime rotates"
-            " the whole head (1.0)"
-        )
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / f32(_rope_parameter(scaling, "factor", rope_type))
-    if rope_type == "llama3":
-        factor = _rope_parameter(scaling, "factor", rope_type)
-        low = _rope_parameter(scaling, "low_freq_factor", rope_type)
-        high = _rope_parameter(scaling, "high_freq_factor", rope_type)
-        old_context = scaling.get("original_max_position_embeddings", layer.max_position_embeddings)
-        low_wavelen, high_wavelen = old_context / low, old_context / high
-        # torch's `scalar / tensor` is reciprocal(tensor) * scalar: written that way for the bits.
-        wavelen = (f32(1.0) / inv_freq) * f32(2 * math.pi)
-        scaled = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq)
-        smooth = ((f32(1.0) / wavelen) * f32(old_context) - f32(low)) / f32(high - low)
-        blended = (f32(1.0) - smooth) * scaled / f32(factor) + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, blended, scaled).astype(f32)
-    raise DrafterError(
-        f"rope_scaling.rope_type = {rope_type!r}: the MLX runtime implements default, 'linear'"
-        " and 'llama3' RoPE only"
-    )
+    """inv_freq [head_dim / 2] fp32 (`woodcock.rope`): the reference's formulas with a correctly
+    rounded power, so about 1 % of entries differ from the reference's by one ulp."""
+    return rope.inverse_frequencies(layer, "the MLX runtime")
 
 
 def _periods(inv_freq: np.ndarray) -> np.ndarray:

@@ -3,12 +3,14 @@ random target features and tokens, in fp32: the max |diff| of every intermediate
 every step's logits, and whether the greedy tokens agree. Needs the `torch` extra.
 
 `parity` dispatches on the algorithm: `eagle3_parity` steps a chain, `block_parity` runs one
-DFlash/DSpark block (Markov head and confidence head included).
+DFlash/DSpark block (Markov head and confidence head included). It sits above both the runtime
+and the reference, which know nothing of each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -16,6 +18,9 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DFlash, Drafter, DrafterSpec, DSpark, Eagle3
+from woodcock.runtime.block import BlockDrafter
+from woodcock.runtime.eagle3 import Eagle3Drafter
+from woodcock.runtime.layers import KVCache
 
 TOLERANCE = 1e-4
 
@@ -52,7 +57,8 @@ def _check_inputs(spec: DrafterSpec, target_tensors: Mapping | None, steps: int,
         )
 
 
-def _torch_reference():
+def _pair(drafter: Drafter, target_tensors: Mapping | None, runtime_class: type):
+    """(torch, the reference, the runtime drafter `runtime_class`), both in fp32."""
     try:
         import torch
 
@@ -61,7 +67,53 @@ def _torch_reference():
         raise DrafterError(
             "parity needs PyTorch for the reference: pip install -e '.[torch]'"
         ) from None
-    return torch, TorchDrafter
+    reference = TorchDrafter(drafter, target_tensors, dtype=torch.float32)
+    return torch, reference, runtime_class(drafter, target_tensors, dtype=mx.float32)
+
+
+def _random_taps(spec: DrafterSpec, context: int, rng: np.random.Generator) -> np.ndarray:
+    width = len(spec.taps.layer_ids) * spec.target.hidden_size
+    return rng.standard_normal((context, width), dtype=np.float32)
+
+
+@contextmanager
+def _layer_outputs(reference: Any) -> Iterator[list]:
+    """The output of each of the reference's layers, appended as the forward runs them."""
+    captured: list = []
+    hooks = [
+        layer.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
+        for layer in reference.layers
+    ]
+    try:
+        yield captured
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _report(
+    algorithm: str,
+    context: int,
+    steps: int,
+    seed: int,
+    rows: list[dict[str, Any]],
+    mlx_tokens: list[int],
+    torch_tokens: list[int],
+) -> dict[str, Any]:
+    worst = max(row["max_abs_diff"] for row in rows)
+    agree = mlx_tokens == torch_tokens
+    return {
+        "algorithm": algorithm,
+        "dtype": "float32",
+        "context": context,
+        "steps": steps,
+        "seed": seed,
+        "tolerance": TOLERANCE,
+        "tensors": rows,
+        "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
+        "max_abs_diff": worst,
+        "ok": bool(worst <= TOLERANCE and agree),
+    }
 
 
 def _row(name: str, mlx_value: mx.array, torch_value: Any) -> dict[str, Any]:
@@ -88,36 +140,22 @@ def eagle3_parity(
     through the loop's API (add_context, propose) against the reference's `eagle3_draft`: each
     step's logits and the drafted tokens. `ok` is every max |diff| <= TOLERANCE and equal tokens.
     """
-    from woodcock.runtime.eagle3 import Eagle3Drafter
-    from woodcock.runtime.layers import KVCache
-
     spec = drafter.spec
     _check_inputs(spec, target_tensors, steps, context)
-    torch, TorchDrafter = _torch_reference()
-    reference = TorchDrafter(drafter, target_tensors, dtype=torch.float32)
-    runtime = Eagle3Drafter(drafter, target_tensors, dtype=mx.float32)
+    torch, reference, runtime = _pair(drafter, target_tensors, Eagle3Drafter)
 
     rng = np.random.default_rng(seed)
-    width = len(spec.taps.layer_ids) * spec.target.hidden_size
-    taps = rng.standard_normal((context, width), dtype=np.float32)
+    taps = _random_taps(spec, context, rng)
     tokens = rng.integers(0, spec.target.vocab_size, size=context + 1)
     t_taps, t_tokens = torch.from_numpy(taps), torch.from_numpy(tokens)
     m_taps, m_tokens = mx.array(taps), mx.array(tokens.astype(np.int32))
 
     # One forward over all context rows, every row kept, layer outputs captured by hooks.
-    captured: list = []
-    hooks = [
-        layer.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
-        for layer in reference.layers
-    ]
-    try:
+    with _layer_outputs(reference) as captured:
         t_fused = reference.fuse(t_taps)
         t_out = reference.eagle3_forward(
             t_tokens[1:], t_fused, torch.arange(1, context + 1), reference.new_cache()
         )
-    finally:
-        for hook in hooks:
-            hook.remove()
     model, outputs = runtime.model, []
     m_fused = model.fuse(m_taps)
     caches = [KVCache() for _ in spec.layers]
@@ -140,21 +178,7 @@ def eagle3_parity(
     rows += [_row(f"logits, step {j + 1}", logits[j], result.logits[j]) for j in range(steps)]
     mlx_tokens = np.array(drafted).tolist()
     torch_tokens = result.tokens.tolist()
-
-    worst = max(row["max_abs_diff"] for row in rows)
-    agree = mlx_tokens == torch_tokens
-    return {
-        "algorithm": spec.algorithm.name,
-        "dtype": "float32",
-        "context": context,
-        "steps": steps,
-        "seed": seed,
-        "tolerance": TOLERANCE,
-        "tensors": rows,
-        "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
-        "max_abs_diff": worst,
-        "ok": bool(worst <= TOLERANCE and agree),
-    }
+    return _report(spec.algorithm.name, context, steps, seed, rows, mlx_tokens, torch_tokens)
 
 
 def block_parity(
@@ -174,8 +198,6 @@ def block_parity(
     tokens) and the confidence, and the greedy drafts against `block_draft`. `ok` is every max
     |diff| <= TOLERANCE and equal drafts.
     """
-    from woodcock.runtime.block import BlockDrafter
-
     spec = drafter.spec
     algorithm = spec.algorithm
     if not isinstance(algorithm, DFlash):
@@ -183,13 +205,10 @@ def block_parity(
             f"block_parity: algorithm = {algorithm.name!r}: expected a block drafter"
         )
     _check_inputs(spec, target_tensors, 1, context)
-    torch, TorchDrafter = _torch_reference()
-    reference = TorchDrafter(drafter, target_tensors, dtype=torch.float32)
-    runtime = BlockDrafter(drafter, target_tensors, dtype=mx.float32)
+    torch, reference, runtime = _pair(drafter, target_tensors, BlockDrafter)
 
     rng = np.random.default_rng(seed)
-    width = len(spec.taps.layer_ids) * spec.target.hidden_size
-    taps = rng.standard_normal((context, width), dtype=np.float32)
+    taps = _random_taps(spec, context, rng)
     # Only the last token (the anchor) matters to a block drafter.
     tokens = rng.integers(0, spec.target.vocab_size, size=context)
     anchor = int(tokens[-1])
@@ -197,12 +216,7 @@ def block_parity(
     t_taps = torch.from_numpy(taps)
 
     # The block forward, every layer's output captured.
-    captured: list = []
-    hooks = [
-        layer.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
-        for layer in reference.layers
-    ]
-    try:
+    with _layer_outputs(reference) as captured:
         t_fused = reference.fuse(t_taps)
         block_ids = torch.cat(
             (torch.tensor([anchor]), torch.full((size - 1,), algorithm.mask_token_id))
@@ -210,9 +224,6 @@ def block_parity(
         t_out = reference.block_forward(
             t_fused, torch.arange(context), block_ids, torch.arange(context, context + size)
         )
-    finally:
-        for hook in hooks:
-            hook.remove()
     m_fused = runtime.fuse(mx.array(taps))
     runtime.add_context(mx.array(tokens.astype(np.int32)), mx.array(taps))
     outputs: list[mx.array] = []
@@ -238,21 +249,9 @@ def block_parity(
     if runtime.last_confidence is not None:
         rows.append(_row("confidence", runtime.last_confidence, t_confidence[first:]))
     torch_tokens = reference.block_draft(t_taps, anchor).tokens.tolist()
-
-    worst = max(row["max_abs_diff"] for row in rows)
-    agree = mlx_tokens == torch_tokens
-    return {
-        "algorithm": algorithm.name,
-        "dtype": "float32",
-        "context": context,
-        "steps": runtime.num_drafts,
-        "seed": seed,
-        "tolerance": TOLERANCE,
-        "tensors": rows,
-        "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
-        "max_abs_diff": worst,
-        "ok": bool(worst <= TOLERANCE and agree),
-    }
+    return _report(
+        algorithm.name, context, runtime.num_drafts, seed, rows, mlx_tokens, torch_tokens
+    )
 
 
 def render_text(report: dict[str, Any]) -> str:
