@@ -1,14 +1,16 @@
 """woodcock.runtime.cpu_kernels against mlx-lm's own functions, and their use by MlxTarget."""
 
 import importlib
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import activations, base
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import activations, base, llama
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_targets import tiny_target
+from mlx_targets import CONFIGS, tiny_target
 
 from woodcock.runtime import cpu_kernels
 from woodcock.runtime.target import MlxTarget
@@ -93,10 +95,7 @@ def test_a_multi_row_forward_runs_the_kernels_and_a_single_row_does_not(model_ty
     model = tiny_target(model_type, seed=3, scale=0.3)
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     target = MlxTarget(model, [1, 4])
-    assert sorted(name for _, name, _ in target._kernel_swaps) == [
-        "scaled_dot_product_attention",
-        "swiglu",
-    ]
+    assert cpu_kernels.install_kernels(model) == 2 * len(model.layers)  # attention and MLP
     attention = _Counting(cpu_kernels._scaled_exp_parts)
     sigmoid = _Counting(cpu_kernels._negated_exp_parts)
     monkeypatch.setattr(cpu_kernels, "_scaled_exp_parts", attention)
@@ -117,16 +116,117 @@ def test_a_multi_row_forward_runs_the_kernels_and_a_single_row_does_not(model_ty
     np.testing.assert_allclose(np.array(logits_next), np.array(stock_next), atol=1e-4)
 
 
-def test_the_swapped_functions_come_back_when_the_forward_fails():
+def _random_model(model_type: str):
+    if model_type != "qwen2":
+        return tiny_target(model_type, seed=4, scale=0.3)
+    module = importlib.import_module("mlx_lm.models.qwen2")
+    config = {**CONFIGS["llama"], "model_type": "qwen2"}
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(4)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.3, model.parameters()))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_the_installed_forward_is_mlx_lms_own_with_the_kernels(model_type, monkeypatch):
+    """Bit for bit what mlx-lm's own modules compute with the kernels in its functions' place
+    (so a release of mlx-lm that changes these forwards fails here)."""
+    model = _random_model(model_type)
+    assert cpu_kernels.install_kernels(model) == 2 * len(model.layers)
+    prompt, block = mx.array([5, 9, 2, 7, 1]), mx.array([30, 3, 8])
+
+    def prompt_and_block():
+        cache = make_prompt_cache(model)
+        return [model(tokens[None], cache=cache) for tokens in (prompt, block)]
+
+    with cpu_kernels.kernels_in_use():
+        installed = prompt_and_block()
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    monkeypatch.setattr(
+        module, "scaled_dot_product_attention", cpu_kernels.scaled_dot_product_attention
+    )
+    monkeypatch.setattr(module, "swiglu", cpu_kernels.swiglu)
+    for ours, theirs in zip(installed, prompt_and_block(), strict=True):
+        assert mx.array_equal(ours, theirs).item()
+
+
+def _stock_logits(model, tokens):
+    logits = model(tokens[None], cache=make_prompt_cache(model))[0]
+    mx.eval(logits)
+    return logits
+
+
+def test_installing_leaves_the_parameters_and_every_other_forward_as_they_were():
+    model = tiny_target("llama", seed=2, scale=0.3)
+    nn.quantize(model, group_size=32, bits=8)
+    tokens = mx.array([5, 9, 2, 7, 1])
+    before = tree_flatten(model.parameters())
+    assert "model.layers.0.self_attn.q_proj.scales" in dict(before)
+    stock = _stock_logits(model, tokens)
+    assert cpu_kernels.install_kernels(model) == 8
+    assert cpu_kernels.install_kernels(model) == 8
+    after = tree_flatten(model.parameters())
+    assert [name for name, _ in after] == [name for name, _ in before]
+    assert all(a is b for (_, a), (_, b) in zip(after, before, strict=True))
+    assert isinstance(model.layers[0].self_attn, llama.Attention)
+    assert isinstance(model.layers[0].mlp, llama.MLP)
+    # a plain mlx-lm forward of several rows (a prompt, training's feature runner): as before
+    assert mx.array_equal(_stock_logits(model, tokens), stock).item()
+    with cpu_kernels.kernels_in_use():
+        fast = _stock_logits(model, tokens)
+    np.testing.assert_allclose(np.array(fast), np.array(stock), atol=1e-4)
+
+
+def test_the_kernels_stop_with_a_failed_forward(monkeypatch):
     model = tiny_target("llama", seed=1)
-    swaps = cpu_kernels.kernel_swaps(model)
-    module = importlib.import_module("mlx_lm.models.llama")
-    with pytest.raises(RuntimeError), cpu_kernels.swapped_in(swaps):
-        assert module.swiglu is cpu_kernels.swiglu
+    cpu_kernels.install_kernels(model)
+    sigmoid = _Counting(cpu_kernels._negated_exp_parts)
+    monkeypatch.setattr(cpu_kernels, "_negated_exp_parts", sigmoid)
+    with pytest.raises(RuntimeError), cpu_kernels.kernels_in_use():
         raise RuntimeError("failed forward")
-    assert module.swiglu is activations.swiglu
-    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    _stock_logits(model, mx.array([1, 2, 3]))
+    assert sigmoid.calls == 0
 
 
-def test_a_model_that_calls_none_of_them_has_nothing_swapped():
-    assert cpu_kernels.kernel_swaps(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == []
+def test_a_forward_in_another_thread_during_a_verify_runs_mlx_lms_kernels(monkeypatch):
+    model = tiny_target("llama", seed=3, scale=0.3)
+    tokens = mx.array([5, 9, 2, 7])
+    stock = _stock_logits(model, tokens)
+    target = MlxTarget(model, [1, 4])
+    verifying, go_on = threading.Event(), threading.Event()
+    fast_exp = cpu_kernels._scaled_exp_parts
+    callers = []
+
+    def pausing(*args):
+        callers.append(threading.current_thread())
+        if not verifying.is_set():
+            verifying.set()
+            go_on.wait(timeout=60)
+        return fast_exp(*args)
+
+    monkeypatch.setattr(cpu_kernels, "_scaled_exp_parts", pausing)
+    verified = {}
+
+    def verify():
+        logits, _ = target.forward(tokens)
+        mx.eval(logits)
+        verified["logits"] = logits
+
+    thread = threading.Thread(target=verify)
+    thread.start()
+    try:
+        assert verifying.wait(timeout=60)
+        # the verify is building its graph on the kernels: mlx-lm's own functions are untouched
+        assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+        assert llama.swiglu is activations.swiglu
+        meanwhile = _stock_logits(model, tokens)
+    finally:
+        go_on.set()
+        thread.join(timeout=60)
+    assert mx.array_equal(meanwhile, stock).item()
+    assert callers and set(callers) == {thread}
+    np.testing.assert_allclose(np.array(verified["logits"]), np.array(stock), atol=1e-4)
+
+
+def test_a_model_of_no_known_family_has_nothing_installed():
+    assert cpu_kernels.install_kernels(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == 0

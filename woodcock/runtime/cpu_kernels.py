@@ -8,23 +8,28 @@ attention's softmax and SwiGLU's sigmoid. Here exp is a degree-7 polynomial in a
 fused kernel (about 3 ns an element, relative error below 1e-7 where float32 exp is normal),
 and attention folds each group of query heads sharing a key head into one matmul.
 
-`MlxTarget` swaps these in for mlx-lm's own functions in the model's modules while it builds a
-forward of more than one row on the CPU; a single row (plain decoding, like the baseline it is
-measured against) keeps mlx-lm's kernels. Inputs these do not cover (other dtypes, mask arrays,
-attention sinks, quantized caches) go to mlx-lm's functions unchanged.
+`install_kernels` gives the attention and MLP modules of the model families in `FAST_FORWARDS`
+a forward that computes what mlx-lm's does with these kernels, used only inside `kernels_in_use`:
+`MlxTarget` enters it while it builds a forward of more than one row on the CPU. The module's
+parameters and mlx-lm's modules are left as they are, and the choice is the calling thread's
+own (a context variable), so any other forward of the model, in this thread or another, runs
+mlx-lm's kernels: a single row (plain decoding, like the baseline it is measured against), a
+prompt of plain mlx-lm, training's feature runner. Other families keep mlx-lm's kernels; inputs
+these do not cover (other dtypes, mask arrays, attention sinks, quantized caches) go to
+mlx-lm's functions unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import activations, base
+from mlx_lm.models import activations, base, llama, qwen2, qwen3
 
 LOG2_E = 1.0 / math.log(2.0)
 # ln 2 in two parts (Cody and Waite): n * LN2_HIGH is exact for |n| < 2**15
@@ -120,33 +125,90 @@ def scaled_dot_product_attention(
     return out.reshape(batch, heads, rows, width)
 
 
-STOCK_AND_FAST = (
-    ("scaled_dot_product_attention", STOCK_ATTENTION, scaled_dot_product_attention),
-    ("swiglu", STOCK_SWIGLU, swiglu),
-)
+def _attention(module: nn.Module, x: mx.array, mask, cache, query_norm, key_norm) -> mx.array:
+    """mlx-lm's llama, qwen2 and qwen3 `Attention.__call__` (qwen3: an RMS norm on each head's
+    queries and keys before RoPE), with the attention above."""
+    batch, rows, _ = x.shape
+    queries = module.q_proj(x).reshape(batch, rows, module.n_heads, -1)
+    keys = module.k_proj(x).reshape(batch, rows, module.n_kv_heads, -1)
+    values = module.v_proj(x).reshape(batch, rows, module.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if query_norm is not None:
+        queries, keys = query_norm(queries), key_norm(keys)
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    if cache is not None:
+        queries = module.rope(queries, offset=cache.offset)
+        keys = module.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+    else:
+        queries, keys = module.rope(queries), module.rope(keys)
+    output = scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=module.scale, mask=mask
+    )
+    return module.o_proj(output.transpose(0, 2, 1, 3).reshape(batch, rows, -1))
 
 
-def kernel_swaps(model: nn.Module) -> list[tuple[object, str, object]]:
-    """(module, name, fast function) for each of mlx-lm's functions above that the modules
-    defining the model's layers call under its own name."""
-    modules = {sys.modules.get(type(m).__module__) for _, m in model.named_modules()}
-    modules.add(sys.modules.get(type(model).__module__))
-    return [
-        (module, name, fast)
-        for module in sorted(filter(None, modules), key=lambda m: m.__name__)
-        for name, stock, fast in STOCK_AND_FAST
-        if getattr(module, name, None) is stock
-    ]
+def _llama_attention(module: nn.Module, x: mx.array, mask=None, cache=None) -> mx.array:
+    return _attention(module, x, mask, cache, None, None)
+
+
+def _qwen3_attention(module: nn.Module, x: mx.array, mask=None, cache=None) -> mx.array:
+    return _attention(module, x, mask, cache, module.q_norm, module.k_norm)
+
+
+def _mlp(module: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's llama, qwen2 and qwen3 `MLP.__call__`, with the SwiGLU above."""
+    return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
+# mlx-lm's classes whose forward is known (as of mlx-lm 0.32), and that forward on these kernels
+FAST_FORWARDS: dict[type, Callable] = {
+    llama.Attention: _llama_attention,  # also mistral's
+    qwen2.Attention: _llama_attention,
+    qwen3.Attention: _qwen3_attention,
+    llama.MLP: _mlp,
+    qwen2.MLP: _mlp,
+    qwen3.MLP: _mlp,
+}
+
+_in_use = contextvars.ContextVar("woodcock_cpu_kernels_in_use", default=False)
+
+
+class _Routed:
+    """Mixed into one of FAST_FORWARDS' classes by `install_kernels`: inside `kernels_in_use`,
+    in the thread (or task) that entered it, the forward on these kernels, else the family's."""
+
+    fast: Callable
+
+    def __call__(self, *args, **kwargs):
+        if _in_use.get():
+            return self.fast(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+@lru_cache(maxsize=len(FAST_FORWARDS))
+def _routed_class(stock: type) -> type:
+    return type(stock.__name__, (_Routed, stock), {"fast": FAST_FORWARDS[stock]})
+
+
+def install_kernels(model: nn.Module) -> int:
+    """Give each of the model's modules of a class in FAST_FORWARDS (in place: the same
+    instance, parameters and attributes, a subclass that adds the routing) a forward on these
+    kernels for `kernels_in_use`. Returns how many modules have it (any installed before
+    count); installing again changes nothing."""
+    routed = 0
+    for _, module in model.named_modules():
+        if type(module) in FAST_FORWARDS:
+            module.__class__ = _routed_class(type(module))
+        routed += isinstance(module, _Routed)
+    return routed
 
 
 @contextlib.contextmanager
-def swapped_in(swaps: list[tuple[object, str, object]]) -> Iterator[None]:
-    """The fast functions in place of mlx-lm's while the block runs (building a lazy graph)."""
-    stock = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+def kernels_in_use(active: bool = True) -> Iterator[None]:
+    """While the block runs (building a lazy graph), in this thread or task only, the modules
+    given a forward by `install_kernels` compute with these kernels where `active`."""
+    token = _in_use.set(active)
     try:
-        for module, name, fast in swaps:
-            setattr(module, name, fast)
         yield
     finally:
-        for module, name, function in stock:
-            setattr(module, name, function)
+        _in_use.reset(token)

@@ -2,8 +2,8 @@
 tapped hidden states, on the model's own modules and KV cache; rejected tokens are rolled back
 with the cache API. mlx-lm is not modified: for the length of a forward the entries of the
 model's layer list are swapped for recorders that call the real layer, and on the CPU a forward
-of several rows calls woodcock.runtime.cpu_kernels' attention and SwiGLU in place of mlx-lm's
-(the model modules' names for them are swapped while the graph is built)."""
+of several rows computes attention and SwiGLU with woodcock.runtime.cpu_kernels (installed in the
+model's attention and MLP modules of the families it knows, used only by this forward)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from mlx_lm.models.cache import (
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DrafterSpec
-from woodcock.runtime.cpu_kernels import kernel_swaps, swapped_in
+from woodcock.runtime.cpu_kernels import install_kernels, kernels_in_use
 
 
 class _Recorder:
@@ -91,7 +91,7 @@ class MlxTarget:
                 f" {self.num_layers}] (the target has {self.num_layers} layers)"
             )
         self.layer_ids = tuple(layer_ids)
-        self._kernel_swaps = kernel_swaps(model)
+        install_kernels(model)
         self.cache = _rollback_cache(model)
         if not can_trim_prompt_cache(self.cache):
             kinds = sorted({type(c).__name__ for c in self.cache})
@@ -112,8 +112,7 @@ class MlxTarget:
         """tokens [T] after the cached ones -> (logits [T, V], taps [T, A*Ht], ascending ids).
         Lazy: nothing is evaluated here."""
         several_on_cpu = tokens.shape[0] > 1 and mx.default_device().type == mx.cpu
-        swaps = self._kernel_swaps if several_on_cpu else []
-        with recording(self.layers, self.layer_ids) as states, swapped_in(swaps):
+        with recording(self.layers, self.layer_ids) as states, kernels_in_use(several_on_cpu):
             logits = self.model(tokens[None], cache=self.cache)
         if not states:  # a drafter that reads no hidden states (n-gram)
             return logits[0], mx.zeros((tokens.shape[0], 0))
