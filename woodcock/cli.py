@@ -14,8 +14,13 @@ from woodcock import __version__
 from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
+from woodcock.staging import leftovers_message, reporting_removed_leftovers
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
+
+# Each command imports its library module (and rich, for progress) when it runs: together they
+# load MLX, torch, every drafter format and the HTTP server, which `woodcock --help` and the
+# other commands do not need.
 
 app = typer.Typer(
     name="woodcock",
@@ -526,17 +531,9 @@ def demo(
 ) -> None:
     """Build a tiny offline target (an mlx-lm model with a tokenizer) and a hand-written EAGLE-3
     drafter that mostly agrees with it, to try `woodcock generate` without any download."""
-    from woodcock.converters.target_binding import rename_target
-    from woodcock.demo import bigram_drafter, write_tiny_target
-    from woodcock.formats import native
-    from woodcock.staging import staged_directory
+    from woodcock.demo import write_demo
 
-    with staged_directory(dest, force=force) as out:
-        write_tiny_target(out / "target")
-        drafter = bigram_drafter(out / "target")
-        # the drafter records where its target lives once the directory has its final name
-        drafter = rename_target(drafter, str(Path(dest).resolve() / "target"))
-        native.write(drafter, out / "drafter")
+    write_demo(dest, force=force)
     # a fixed draft length: on a pair this small drafting costs about what verifying does, so
     # `auto` may well decode plainly, which would hide what the demo is for
     typer.echo(
@@ -578,8 +575,6 @@ def _progress_bar(description: str, *, on_stdout: bool = False):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from woodcock.staging import reporting_removed_leftovers
-
     try:
         with reporting_removed_leftovers(_say_removed_leftovers):
             status = app(args=argv, prog_name="woodcock", standalone_mode=False)
@@ -613,8 +608,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _say_removed_leftovers(paths: list[Path]) -> None:
-    from woodcock.staging import leftovers_message
-
     print(f"woodcock: {leftovers_message(paths)}", file=sys.stderr)
 
 
