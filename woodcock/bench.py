@@ -15,7 +15,12 @@ from woodcock.errors import DrafterError
 from woodcock.prompts import load_prompt_file, load_prompts
 from woodcock.runtime.decode import Stats
 from woodcock.runtime.generate import encode_prompt, generate
-from woodcock.runtime.latency import LatencyProfile, cached_profile, policy_with_profile
+from woodcock.runtime.latency import (
+    LatencyProfile,
+    cached_profile,
+    counting_steps,
+    policy_with_profile,
+)
 from woodcock.runtime.machine import machine_facts
 from woodcock.runtime.policy import parse_policy
 from woodcock.runtime.sampling import Sampling
@@ -390,14 +395,7 @@ def benchmark(
         selected = load_prompts(domains, limit_per_domain=prompts)
     lookups = (True, False) if compare_lookup else (lookup,)
     runs = bench_runs(target, drafters, policies, lookups, dtype, measuring=measuring)
-    done, total = 0, len(selected) * len(runs)
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
+    advance = counting_steps(len(selected) * len(runs), progress)
     results = run_bench(runs, selected, max_tokens=max_tokens, chat=chat, progress=advance)
     labelled = [
         (run.label, summary_rows(result)) for run, result in zip(runs, results, strict=True)

@@ -285,6 +285,21 @@ def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
     return run
 
 
+def counting_steps(
+    total: int, progress: Callable[[int, int], None] | None
+) -> Callable[[], None]:
+    """An `advance` for work of `total` steps that reports (done, total) to `progress`."""
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    return advance
+
+
 def profile_cache_dir() -> Path:
     return cache_dir() / "latency"
 
@@ -316,14 +331,6 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     block = session.drafter.num_drafts
     repeats = 3
     total = (QUICK_VERIFY + (1 if block else QUICK_DRAFT)) * repeats
-    done = 0
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
     profile = measure(
         session.target,
         drafters,
@@ -331,7 +338,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         max_verify=QUICK_VERIFY,
         max_draft=QUICK_DRAFT,
         repeats=repeats,
-        advance=advance,
+        advance=counting_steps(total, progress),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
@@ -382,16 +389,12 @@ def measure_pair(
         drafters[str(size)] = session.drafter_with_head(size)
     per_drafter = 1 if session.spec.is_block else 8
     total = (len(contexts) * MAX_VERIFY + len(drafters) * per_drafter) * repeats
-    done = 0
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
     profile = measure(
-        session.target, drafters, contexts=contexts, repeats=repeats, advance=advance
+        session.target,
+        drafters,
+        contexts=contexts,
+        repeats=repeats,
+        advance=counting_steps(total, progress),
     )
     dtype_name = session.dtype_name
     facts = machine_facts(dtype_name)
