@@ -3,15 +3,31 @@ process, with the outputs compared token for token and the speed table per domai
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
+from woodcock.default_target import resolve_pair
+from woodcock.errors import DrafterError
+from woodcock.prompts import load_prompt_file, load_prompts
 from woodcock.runtime.decode import Stats
 from woodcock.runtime.generate import encode_prompt, generate
-from woodcock.runtime.latency import LatencyProfile
+from woodcock.runtime.latency import (
+    LatencyProfile,
+    cached_profile,
+    counting_steps,
+    policy_with_profile,
+)
+from woodcock.runtime.machine import machine_facts
+from woodcock.runtime.policy import parse_policy
 from woodcock.runtime.sampling import Sampling
+from woodcock.runtime.session import open_session
+
+# mlx-lm (which loads transformers) and matplotlib (an optional dependency) are imported where
+# they are used: importing this module for its tables or `ideal_seconds` stays light.
 
 
 @dataclass
@@ -134,6 +150,54 @@ class BenchRun:
         return f"{self.drafter}, policy {self.policy}, {'with' if self.lookup else 'no'} lookup"
 
 
+def bench_runs(
+    target: str | None,
+    drafters: Sequence[str | None],
+    policies: Sequence[str],
+    lookups: Sequence[bool],
+    dtype: str | None,
+    *,
+    measuring: Callable[[int, int], None] | None = None,
+) -> list[BenchRun]:
+    """Every (drafter, policy, lookup) asked for, in that order, each a BenchRun; the target is
+    loaded once and shared. A confidence policy is left out for a drafter without blocks.
+    measuring: (done, total) while this machine's latency profile for a pair is measured."""
+    runs, loaded, applied = [], None, set()
+    for drafter in drafters:
+        pair = resolve_pair(target, drafter)
+        session = open_session(*pair, dtype=dtype, loaded=loaded)
+        loaded = (session.model, session.tokenizer)
+        name = drafter if drafter is not None else Path(pair[1]).name
+        for policy in policies:
+            if policy.partition(":")[0] == "confidence" and session.drafter.num_drafts is None:
+                continue
+            applied.add(policy)
+            with_file = policy_with_profile(policy, session, *pair, progress=measuring)
+            # the profile an adaptive policy decides with, else this machine's, prices the ideal
+            kind, _, given_file = with_file.partition(":")
+            adaptive = kind in ("auto", "confidence")
+            profile = LatencyProfile.load(
+                given_file if adaptive else cached_profile(session, *pair, progress=measuring)
+            )
+
+            def make_policy(text=with_file, session=session):
+                return parse_policy(
+                    text, session.drafter, prior=session.holdout_agreement, head=session.head_label
+                )
+
+            make_policy()  # a policy that cannot be built fails before any prompt runs
+            for lookup in lookups:
+                variant = session if lookup else dataclasses.replace(session, lookup=None)
+                runs.append(BenchRun(name, policy, variant, make_policy, profile))
+    for policy in policies:
+        if policy not in applied:
+            raise DrafterError(
+                f"--policy {policy} is for block drafters (DFlash, DSpark): none of the drafters"
+                " given is one"
+            )
+    return runs
+
+
 def run_bench(
     runs: Sequence[BenchRun],
     prompts,
@@ -240,8 +304,6 @@ def write_chart(labelled: Sequence[tuple[str, list[dict]]], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from woodcock.errors import DrafterError
-
         raise DrafterError("--chart needs matplotlib: pip install 'woodcock[bench]'") from None
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(labelled)
@@ -261,3 +323,83 @@ def write_chart(labelled: Sequence[tuple[str, list[dict]]], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """What `woodcock bench` prints: every run's rows by domain (the last one all domains), in
+    the order the runs were measured."""
+
+    max_tokens: int
+    runs: list[BenchRun]
+    labelled: list[tuple[str, list[dict]]]  # (run label, summary rows), one a run
+    machine: dict
+
+    @property
+    def identical(self) -> bool:
+        """Every run's greedy output was plain decoding's on every prompt."""
+        return all(rows[-1]["identical"] == rows[-1]["prompts"] for _, rows in self.labelled)
+
+    def as_json(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens,
+            "runs": [
+                {"drafter": run.drafter, "policy": run.policy, "lookup": run.lookup, "rows": rows}
+                for run, (_, rows) in zip(self.runs, self.labelled, strict=True)
+            ],
+            "machine": self.machine,
+        }
+
+    def render_text(self) -> str:
+        parts = [f"{label}\n{render_table(rows)}\n" for label, rows in self.labelled]
+        if len(self.runs) > 1:
+            baseline = self.labelled[0][1][-1]["baseline_tps"]
+            parts.append(f"plain mlx-lm decoding: {baseline:.1f} tok/s")
+            parts.append(render_comparison(self.labelled) + "\n")
+        facts = self.machine
+        backend = (facts.get("mlx") or {}).get("backend")
+        blas = (facts.get("blas") or {}).get("library") or "unknown"
+        threads = facts.get("openblas_num_threads") if blas == "openblas" else None
+        parts.append(TABLE_NOTES)
+        parts.append(
+            f"{self.max_tokens} new tokens, greedy, batch 1; {backend} backend, BLAS {blas}"
+            + (f" on {threads} threads" if threads else "")
+        )
+        return "\n".join(parts)
+
+
+def benchmark(
+    target: str | None,
+    drafters: Sequence[str | None] = (None,),
+    policies: Sequence[str] = ("auto",),
+    *,
+    domains: Sequence[str] | None = None,
+    prompt_file: str | Path | None = None,
+    prompts: int = 10,
+    max_tokens: int = 256,
+    chat: bool = True,
+    dtype: str | None = None,
+    lookup: bool = True,
+    compare_lookup: bool = False,
+    chart: str | Path | None = None,
+    measuring: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> BenchReport:
+    """`woodcock bench`: up to `prompts` prompts of each domain (the shipped sets, or the JSONL
+    `prompt_file`), each decoded plainly and then by every drafter, policy and lookup setting
+    (both when compare_lookup); a PNG chart too when `chart` names one. measuring: (done, total)
+    while a latency profile is measured; progress: (done, total) after each prompt's run."""
+    if prompt_file is not None:
+        selected = load_prompt_file(prompt_file, domains, limit_per_domain=prompts)
+    else:
+        selected = load_prompts(domains, limit_per_domain=prompts)
+    lookups = (True, False) if compare_lookup else (lookup,)
+    runs = bench_runs(target, drafters, policies, lookups, dtype, measuring=measuring)
+    advance = counting_steps(len(selected) * len(runs), progress)
+    results = run_bench(runs, selected, max_tokens=max_tokens, chat=chat, progress=advance)
+    labelled = [
+        (run.label, summary_rows(result)) for run, result in zip(runs, results, strict=True)
+    ]
+    if chart is not None:
+        write_chart(labelled, str(chart))
+    return BenchReport(max_tokens, runs, labelled, machine_facts(runs[0].session.dtype_name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -13,8 +14,13 @@ from woodcock import __version__
 from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
+from woodcock.staging import leftovers_message, reporting_removed_leftovers
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
+
+# Each command imports its library module (and rich, for progress) when it runs: together they
+# load MLX, torch, every drafter format and the HTTP server, which `woodcock --help` and the
+# other commands do not need.
 
 app = typer.Typer(
     name="woodcock",
@@ -292,14 +298,7 @@ def generate(
 ) -> None:
     """Generate with speculative decoding: greedy output is token for token the target's own;
     sampling follows the target's distribution exactly."""
-    import mlx.core as mx
-
-    from woodcock.runtime.generate import encode_prompt
-    from woodcock.runtime.generate import generate as run_generate
-    from woodcock.runtime.machine import machine_facts, warn_slow_paths
-    from woodcock.runtime.policy import parse_policy
-    from woodcock.runtime.sampling import Sampling
-    from woodcock.runtime.session import open_session
+    from woodcock.generation import generate_report
 
     if (prompt is None) == (prompt_file is None):
         raise DrafterError("give exactly one of --prompt and --prompt-file")
@@ -310,76 +309,31 @@ def generate(
             raise DrafterError(f"{prompt_file}: cannot be read ({e.strerror})") from None
     else:
         text = sys.stdin.read() if prompt == "-" else prompt
-    sampling = Sampling(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    if seed is not None:
-        mx.random.seed(seed)
-    pair = resolve_pair(target, drafter)
-    session = open_session(*pair, dtype=dtype, lookup=lookup)
-    # before any token, so that a user watching a slow stream knows why at once
-    warn_slow_paths(machine_facts(session.dtype_name))
-    policy = _with_latency_file(policy, session, *pair)
-    chosen_policy = parse_policy(
-        policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
-    )
-    ids = encode_prompt(session.tokenizer, text, chat=chat, system=system)
 
     def show(segment: str) -> None:
         print(segment, end="", flush=True)
 
-    result = run_generate(
-        session,
-        ids,
-        max_tokens=max_tokens,
-        policy=chosen_policy,
-        sampling=sampling,
-        stop=stop or (),
-        on_text=None if as_json else show,
-    )
-    stats = result.stats
-    report = {
-        "text": result.text,
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": result.prompt_tokens,
-        "prompt_tps": result.prompt_tps,
-        "generation_tokens": len(result.tokens),
-        "generation_tps": result.generation_tps,
-        "rounds": stats.rounds,
-        "tokens_per_round": stats.tokens_per_round,
-        "acceptance_by_position": stats.acceptance_by_position(),
-        "copied_rounds": stats.copied_rounds,
-        "copied_tokens_per_round": stats.copied_tokens_per_round,
-        "extended_rounds": stats.extended_rounds,
-        "policy": policy,
-        "average_draft_length": stats.average_draft_length,
-        "draft_lengths": stats.drafted,
-        "draft_seconds": stats.draft_seconds,
-        "verify_seconds": stats.verify_seconds,
-        "peak_memory_gb": result.peak_memory_gb,
-    }
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-        return
-    acceptance = " ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
-    acceptance = acceptance or "- (plain decoding: no round drafted)"
-    copied = (
-        f"\nprompt lookup: {stats.copied_rounds} rounds copied from the context,"
-        f" {stats.copied_tokens_per_round:.2f} tokens each; {stats.extended_rounds} drafter"
-        " rounds extended by a copy"
-        if session.lookup is not None
-        else ""
-    )
-    typer.echo(
-        "\n"
-        + "=" * 10
-        + f"\nprompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens-per-sec"
-        f"\ngeneration: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens-per-sec"
-        f"\ntokens per round: {stats.tokens_per_round:.2f} over {stats.rounds} rounds"
-        f" (draft {stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s)"
-        f"\nacceptance by position: {acceptance}{copied}"
-        f"\ndraft length ({policy}): {stats.average_draft_length:.2f} on average;"
-        f" per round {' '.join(map(str, stats.drafted[:32]))}{' ...' if stats.rounds > 32 else ''}"
-        f"\npeak memory: {result.peak_memory_gb:.3f} GB"
-    )
+    with _progress_bar(MEASURING_ONCE) as measuring:
+        report = generate_report(
+            target,
+            drafter,
+            text,
+            policy=policy,
+            max_tokens=max_tokens,
+            chat=chat,
+            system=system,
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            stop=stop or (),
+            dtype=dtype,
+            lookup=lookup,
+            on_text=None if as_json else show,
+            measuring=measuring,
+        )
+    typer.echo(json.dumps(report.fields, indent=2) if as_json else report.render_text())
 
 
 @app.command()
@@ -399,17 +353,7 @@ def latency(
 ) -> None:
     """Measure this machine: the cost of drafting (per head size) and of verifying k = 1..16
     tokens at a few context lengths, for the auto and confidence policies."""
-    from rich.progress import Progress
-
-    from woodcock.runtime.latency import (
-        MAX_VERIFY,
-        LatencyProfile,
-        acceptance_needed_table,
-        measure,
-        write_profile,
-    )
-    from woodcock.runtime.machine import machine_facts, warn_slow_paths
-    from woodcock.runtime.session import open_session
+    from woodcock.runtime.latency import measure_pair, profile_summary
 
     if out.exists() and not force:
         raise DrafterError(f"{out}: already exists; pass --force to replace it")
@@ -421,44 +365,11 @@ def latency(
         raise DrafterError(
             f"--contexts {contexts!r}: expected comma-separated lengths of at least 1"
         )
-    target, drafter = resolve_pair(target, drafter)
-    session = open_session(target, drafter, dtype=dtype, many_heads=True)
-    drafters = {"full": session.drafter_with_head(None)}
-    for size in session.choice.head_sizes:
-        drafters[str(size)] = session.drafter_with_head(size)
-    per_drafter = 1 if session.spec.is_block else 8
-    total = (len(lengths) * MAX_VERIFY + len(drafters) * per_drafter) * repeats
-    with Progress(transient=True) as progress:
-        task = progress.add_task("measuring", total=total)
-        profile = measure(
-            session.target,
-            drafters,
-            contexts=lengths,
-            repeats=repeats,
-            advance=lambda: progress.advance(task),
+    with _progress_bar("measuring", on_stdout=True) as progress:
+        measure_pair(
+            target, drafter, out, contexts=lengths, repeats=repeats, dtype=dtype, progress=progress
         )
-    dtype_name = session.dtype_name
-    facts = machine_facts(dtype_name)
-    write_profile(
-        out,
-        {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile},
-    )
-    warn_slow_paths(facts)
-    verify = profile["verify_seconds"][str(lengths[0])]
-    typer.echo(
-        f"wrote {out}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens {verify[-1] * 1e3:.1f} ms"
-        f" (context {lengths[0]}); draft "
-        + ", ".join(
-            f"{label} {ts[0] * 1e3:.1f} ms" for label, ts in profile["draft_seconds"].items()
-        )
-    )
-    head = next(iter(profile["draft_seconds"]))
-    typer.echo(
-        f"acceptance needed at every draft position (context {lengths[0]}, head {head}), against"
-        " one-token steps:"
-    )
-    for row in acceptance_needed_table(LatencyProfile.load(out), lengths[0], head=head):
-        typer.echo("  " + row)
+    typer.echo(profile_summary(out))
 
 
 @app.command()
@@ -514,123 +425,33 @@ def bench(
     process (each prompt: plain decoding once, then every drafter, policy and lookup setting
     asked for): speed per domain, tokens per round, acceptance, and whether outputs are
     identical."""
-    from rich.console import Console
-    from rich.progress import Progress
+    from woodcock.bench import benchmark
+    from woodcock.runtime.machine import warn_slow_paths
 
-    from woodcock.bench import (
-        TABLE_NOTES,
-        render_comparison,
-        render_table,
-        run_bench,
-        summary_rows,
-        write_chart,
-    )
-    from woodcock.prompts import load_prompt_file, load_prompts
-    from woodcock.runtime.machine import machine_facts, warn_slow_paths
-
-    chosen = domains.split(",") if domains is not None else None
-    if prompt_file is not None:
-        selected = load_prompt_file(prompt_file, chosen, limit_per_domain=prompts)
-    else:
-        selected = load_prompts(chosen, limit_per_domain=prompts)
-    lookups = (True, False) if compare_lookup else (lookup,)
-    runs = _bench_runs(target, drafters or [None], policies or ["auto"], lookups, dtype)
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(selected) * len(runs))
-        results = run_bench(
-            runs,
-            selected,
+    with (
+        _progress_bar(MEASURING_ONCE) as measuring,
+        _progress_bar("benchmarking") as progress,
+    ):
+        report = benchmark(
+            target,
+            drafters or [None],
+            policies or ["auto"],
+            domains=domains.split(",") if domains is not None else None,
+            prompt_file=prompt_file,
+            prompts=prompts,
             max_tokens=max_tokens,
             chat=chat,
-            progress=lambda: progress.advance(task),
+            dtype=dtype,
+            lookup=lookup,
+            compare_lookup=compare_lookup,
+            chart=chart,
+            measuring=measuring,
+            progress=progress,
         )
-    labelled = [
-        (run.label, summary_rows(result)) for run, result in zip(runs, results, strict=True)
-    ]
-    facts = machine_facts(runs[0].session.dtype_name)
-    if chart is not None:
-        write_chart(labelled, str(chart))
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "max_tokens": max_tokens,
-                    "runs": [
-                        {
-                            "drafter": run.drafter,
-                            "policy": run.policy,
-                            "lookup": run.lookup,
-                            "rows": rows,
-                        }
-                        for run, (_, rows) in zip(runs, labelled, strict=True)
-                    ],
-                    "machine": facts,
-                },
-                indent=2,
-            )
-        )
-    else:
-        for label, rows in labelled:
-            typer.echo(f"{label}\n{render_table(rows)}\n")
-        if len(runs) > 1:
-            baseline = labelled[0][1][-1]["baseline_tps"]
-            typer.echo(f"plain mlx-lm decoding: {baseline:.1f} tok/s")
-            typer.echo(render_comparison(labelled) + "\n")
-        backend = (facts.get("mlx") or {}).get("backend")
-        blas = (facts.get("blas") or {}).get("library") or "unknown"
-        threads = facts.get("openblas_num_threads") if blas == "openblas" else None
-        typer.echo(TABLE_NOTES)
-        typer.echo(
-            f"{max_tokens} new tokens, greedy, batch 1; {backend} backend, BLAS {blas}"
-            + (f" on {threads} threads" if threads else "")
-        )
-    warn_slow_paths(facts)
-    if any(rows[-1]["identical"] != rows[-1]["prompts"] for _, rows in labelled):
+    typer.echo(json.dumps(report.as_json(), indent=2) if as_json else report.render_text())
+    warn_slow_paths(report.machine)
+    if not report.identical:
         raise typer.Exit(1)
-
-
-def _bench_runs(target, drafters, policies, lookups, dtype) -> list:
-    """Every (drafter, policy, lookup) asked for, in that order, each a BenchRun; the target is
-    loaded once and shared. A confidence policy is left out for a drafter without blocks."""
-    import dataclasses
-
-    from woodcock.bench import BenchRun
-    from woodcock.runtime.latency import LatencyProfile
-    from woodcock.runtime.policy import parse_policy
-    from woodcock.runtime.session import open_session
-
-    runs, loaded, applied = [], None, set()
-    for drafter in drafters:
-        pair = resolve_pair(target, drafter)
-        session = open_session(*pair, dtype=dtype, loaded=loaded)
-        loaded = (session.model, session.tokenizer)
-        name = drafter if drafter is not None else Path(pair[1]).name
-        for policy in policies:
-            if policy.partition(":")[0] == "confidence" and session.drafter.num_drafts is None:
-                continue
-            applied.add(policy)
-            with_file = _with_latency_file(policy, session, *pair)
-            # the profile an adaptive policy decides with, else this machine's, prices the ideal
-            kind, _, given_file = with_file.partition(":")
-            adaptive = kind in ("auto", "confidence")
-            profile = LatencyProfile.load(given_file if adaptive else _latency_file(session, *pair))
-
-            def make_policy(text=with_file, session=session):
-                return parse_policy(
-                    text, session.drafter, prior=session.holdout_agreement, head=session.head_label
-                )
-
-            make_policy()  # a policy that cannot be built fails before any prompt runs
-            for lookup in lookups:
-                variant = session if lookup else dataclasses.replace(session, lookup=None)
-                runs.append(BenchRun(name, policy, variant, make_policy, profile))
-    for policy in policies:
-        if policy not in applied:
-            raise DrafterError(
-                f"--policy {policy} is for block drafters (DFlash, DSpark): none of the drafters"
-                " given is one"
-            )
-    return runs
 
 
 @app.command()
@@ -710,17 +531,9 @@ def demo(
 ) -> None:
     """Build a tiny offline target (an mlx-lm model with a tokenizer) and a hand-written EAGLE-3
     drafter that mostly agrees with it, to try `woodcock generate` without any download."""
-    from woodcock.converters.target_binding import rename_target
-    from woodcock.demo import bigram_drafter, write_tiny_target
-    from woodcock.formats import native
-    from woodcock.staging import staged_directory
+    from woodcock.demo import write_demo
 
-    with staged_directory(dest, force=force) as out:
-        write_tiny_target(out / "target")
-        drafter = bigram_drafter(out / "target")
-        # the drafter records where its target lives once the directory has its final name
-        drafter = rename_target(drafter, str(Path(dest).resolve() / "target"))
-        native.write(drafter, out / "drafter")
+    write_demo(dest, force=force)
     # a fixed draft length: on a pair this small drafting costs about what verifying does, so
     # `auto` may well decode plainly, which would hide what the demo is for
     typer.echo(
@@ -730,35 +543,38 @@ def demo(
     )
 
 
-def _with_latency_file(policy: str, session, target: str, drafter: str) -> str:
-    """`auto` / `confidence` given without a latency file: this machine's cached profile for the
-    pair (measured now, once, if there is none)."""
-    if policy not in ("auto", "confidence"):
-        return policy
-    return f"{policy}:{_latency_file(session, target, drafter)}"
+MEASURING_ONCE = "measuring this machine's latency (once)"
 
 
-def _latency_file(session, target: str, drafter: str) -> Path:
-    """This machine's cached latency profile for the pair, measured now if there is none.
-    Progress goes to stderr: stdout is the text."""
+@contextmanager
+def _progress_bar(description: str, *, on_stdout: bool = False):
+    """A transient progress bar for work that reports (done, total), shown from its first report
+    until done reaches total; on stderr unless on_stdout, as stdout carries the output."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from woodcock.runtime.latency import cached_profile
+    shown = None  # (bar, task)
 
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("measuring this machine's latency (once)", total=None)
-        return cached_profile(
-            session,
-            target,
-            drafter,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
+    def update(done: int, total: int) -> None:
+        nonlocal shown
+        if shown is None:
+            bar = Progress(console=None if on_stdout else Console(stderr=True), transient=True)
+            bar.start()
+            shown = bar, bar.add_task(description, total=total)
+        bar, task = shown
+        bar.update(task, completed=done, total=total)
+        if done >= total:
+            bar.stop()
+            shown = None
+
+    try:
+        yield update
+    finally:
+        if shown is not None:
+            shown[0].stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    from woodcock.staging import reporting_removed_leftovers
-
     try:
         with reporting_removed_leftovers(_say_removed_leftovers):
             status = app(args=argv, prog_name="woodcock", standalone_mode=False)
@@ -792,8 +608,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _say_removed_leftovers(paths: list[Path]) -> None:
-    from woodcock.staging import leftovers_message
-
     print(f"woodcock: {leftovers_message(paths)}", file=sys.stderr)
 
 

@@ -8,7 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from woodcock.convert_plan import plan as dry_run_plan
+from woodcock.converters.dtype import cast
+from woodcock.converters.target_binding import attach_target, fill_shared, rename_target
+from woodcock.converters.vocab import apply_options
+from woodcock.formats.detect import format_named
 from woodcock.ir import Drafter
+from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.staging import checks_in_background
+from woodcock.target_checkpoint import load_target_tensors, target_from_config
 
 
 @dataclass(frozen=True)
@@ -53,14 +61,6 @@ def convert(
     """Tensors are copied bit for bit where no option changes them; a format that cannot hold
     the drafter raises a DrafterError saying why. A native source's sha256s are checked while
     the output is written, and the output is renamed into place only once they pass."""
-    from woodcock.converters.dtype import cast
-    from woodcock.converters.target_binding import attach_target, fill_shared, rename_target
-    from woodcock.converters.vocab import apply_options
-    from woodcock.formats.detect import format_named
-    from woodcock.loading import load_drafter_with_format, resolve_source
-    from woodcock.staging import checks_in_background
-    from woodcock.target_checkpoint import load_target_tensors, target_from_config
-
     writer = format_named(to)
     with checks_in_background():
         drafter, reader = load_drafter_with_format(source, source_format, taps=taps)
@@ -74,8 +74,6 @@ def convert(
             drafter = cast(drafter, dtype)
         plan = None
         if dry_run:
-            from woodcock.convert_plan import plan as dry_run_plan
-
             plan = dry_run_plan(source, original, reader, drafter, writer, dest)
         else:
             if target_name is not None:

@@ -11,6 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from woodcock.drafters import shipped_drafter, shipped_names
 from woodcock.errors import DrafterError
 from woodcock.gguf import CONVERTER_VERSION, convert_gguf, stderr_console
 from woodcock.staging import staged_directory
@@ -57,8 +58,6 @@ def resolve_target(target: str | None) -> str:
 def resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
     """(target, drafter) to run: the default target and, for it, the shipped drafter, where the
     user names neither; a shipped drafter may be named by its folder name."""
-    from woodcock.drafters import shipped_drafter, shipped_names
-
     if drafter is None:
         if target not in (None, DEFAULT_TARGET):
             raise DrafterError("--drafter is required with a target other than the default one")

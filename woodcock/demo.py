@@ -16,8 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from woodcock.converters.target_binding import rename_target
+from woodcock.formats import native
 from woodcock.ir import (
     DecoderLayer,
     Drafter,
@@ -29,6 +35,8 @@ from woodcock.ir import (
     Target,
     VocabMap,
 )
+from woodcock.staging import staged_directory
+from woodcock.tensorfile import read_safetensors
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -63,11 +71,6 @@ def write_tiny_target(
     path: Path, *, vocab_size: int = 320, mixing: float = 0.05, seed: int = 0
 ) -> Path:
     """An mlx-lm model directory (config.json, model.safetensors, tokenizer files)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -111,8 +114,6 @@ def bigram_drafter(target_path: Path, *, sharpness: float = 4.0) -> Drafter:
     config = json.loads((Path(target_path) / "config.json").read_text())
     hidden, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
     heads, head_dim = 4, hidden // 4
-    from woodcock.tensorfile import read_safetensors
-
     target_tensors, _ = read_safetensors(Path(target_path) / "model.safetensors")
     spec = DrafterSpec(
         # the post-norm state is fed back (EAGLE-3.1), so it stays small next to the copy
@@ -164,3 +165,14 @@ def bigram_drafter(target_path: Path, *, sharpness: float = 4.0) -> Drafter:
         "norm.weight": np.array(target_tensors["model.norm.weight"], np.float32),
     }
     return Drafter(spec, VocabMap(), weights)
+
+
+def write_demo(dest: str | Path, *, force: bool = False) -> None:
+    """`woodcock demo`: DEST/target (the tiny mlx-lm model) and DEST/drafter (its bigram
+    drafter, in the woodcock format, recording where the target lives)."""
+    with staged_directory(dest, force=force) as out:
+        write_tiny_target(out / "target")
+        drafter = bigram_drafter(out / "target")
+        # the drafter records where its target lives once the directory has its final name
+        drafter = rename_target(drafter, str(Path(dest).resolve() / "target"))
+        native.write(drafter, out / "drafter")

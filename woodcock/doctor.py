@@ -23,10 +23,20 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
+from woodcock.default_target import default_target_path
 from woodcock.errors import DrafterError
+from woodcock.formats.hf_config import read_rope
 from woodcock.ir import Drafter, DrafterSpec, Eagle3, Taps, VocabMap, Weights
+from woodcock.jsonfile import read_json_object
+from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.runtime.generate import encode_prompt
+from woodcock.runtime.session import runtime_drafter
+from woodcock.runtime.target import MlxTarget
+from woodcock.target_checkpoint import load_mlx_target
 
 # Short, varied and fixed, so that two runs of doctor measure the same thing.
 PROMPTS = (
@@ -76,14 +86,8 @@ def diagnose(
     None: the default target). taps: canonical ids to use instead of the drafter's own (to test
     a suspected off-by-one before re-converting). Raises DrafterError when either cannot be
     loaded at all."""
-    from woodcock.loading import load_drafter_with_format, resolve_source
-    from woodcock.runtime.generate import encode_prompt
-    from woodcock.target_checkpoint import load_mlx_target
-
     say = progress or (lambda _: None)
     if target is None:
-        from woodcock.default_target import default_target_path
-
         target = str(default_target_path())
     ir, fmt = load_drafter_with_format(drafter)
     if taps is not None:
@@ -91,8 +95,6 @@ def diagnose(
     target_dir = resolve_source(target)
     say("loading the target")
     model, tokenizer = load_mlx_target(target_dir)
-    import mlx.core as mx
-
     model.set_dtype(mx.float32)  # the measurement, not the speed, matters here
     spec = ir.spec
     report: dict = {
@@ -118,8 +120,6 @@ def diagnose(
         # the drafter cannot run on this target: nothing further can be measured
         report["likely_causes"] = _ranked_causes(report, ir, None, {}, target, drafter)
         return _finish(report)
-
-    from woodcock.runtime.target import MlxTarget
 
     shared = MlxTarget(model, ()).shared_tensors()
     report["checks"]["rope_and_norms"] = _check_rope_and_norms(spec, config)
@@ -205,16 +205,12 @@ def _finish(report: dict) -> dict:
 
 
 def _target_config(target_dir: Path) -> dict:
-    from woodcock.jsonfile import read_json_object
-
     config = read_json_object(Path(target_dir) / "config.json")
     text = config.get("text_config")
     return text if isinstance(text, dict) else config
 
 
 def _check_shape(spec: DrafterSpec, model, layers: int, config: dict) -> dict:
-    from woodcock.runtime.target import MlxTarget
-
     probe = MlxTarget(model, ())
     facts = {
         "vocab_size": (spec.target.vocab_size, probe.vocab_size),
@@ -256,8 +252,6 @@ def _check_taps(spec: DrafterSpec, layers: int) -> dict:
 def _check_rope_and_norms(spec: DrafterSpec, config: dict) -> dict:
     """Draft layers attend over the target's positions: their RoPE is the target's. The norm
     epsilon is the target family's too (every published drafter copies it)."""
-    from woodcock.formats.hf_config import read_rope
-
     findings = []
     try:
         theta, scaling = read_rope(config)
@@ -430,9 +424,6 @@ def _eos_ids(tokenizer) -> list[int]:
 
 def _greedy(model, prompt: Sequence[int], max_tokens: int, eos: set[int]) -> list[int]:
     """The target's own greedy answer (plain decoding, its own KV cache), EOS excluded."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
     answer: list[int] = []
@@ -451,26 +442,10 @@ def _default_steps(spec: DrafterSpec) -> int:
     return max(4, spec.algorithm.speculative_tokens)
 
 
-def _runtime_drafter(ir: Drafter, shared: dict):
-    import mlx.core as mx
-
-    if ir.spec.is_block:
-        from woodcock.runtime.block import BlockDrafter
-
-        return BlockDrafter(ir, shared, dtype=mx.float32)
-    from woodcock.runtime.eagle3 import Eagle3Drafter
-
-    return Eagle3Drafter(ir, shared, dtype=mx.float32)
-
-
 def target_states(model, sequences: Sequence[tuple[list[int], list[int]]]) -> list[dict]:
     """One target forward per (prompt, answer): the residual stream after every layer count
     (ids 0..N, so that any taps can be read off it) and the target's greedy token at every
     position."""
-    import mlx.core as mx
-
-    from woodcock.runtime.target import MlxTarget
-
     target = MlxTarget(model, tuple(range(len(model.layers) + 1)))
     out = []
     for prompt, answer in sequences:
@@ -500,9 +475,7 @@ def measure_agreement(ir: Drafter, shared: dict, states: Sequence[dict], steps: 
     every answer position the drafter gets the context the decoding loop would give it (tokens
     and the target's tapped states up to there) and drafts `steps` tokens; step k counts where
     steps 1..k-1 matched the target's greedy tokens."""
-    import mlx.core as mx
-
-    drafter = _runtime_drafter(ir, shared)
+    drafter = runtime_drafter(ir, shared)
     rows = np.full(ir.spec.target.vocab_size, -1, np.int64)
     head_ids = np.array(drafter.head_target_ids)
     rows[head_ids] = np.arange(len(head_ids))

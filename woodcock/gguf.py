@@ -17,7 +17,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from woodcock.errors import DrafterError
+
+# Every `woodcock` start-up imports this module (through default_target): MLX, tokenizers and
+# rich are imported in the functions that convert, not here.
 
 # Part of the default target's cache key: bump it whenever the converted output changes.
 CONVERTER_VERSION = 1
@@ -365,8 +370,6 @@ def _plain(value: Any) -> Any:
     if not hasattr(value, "tolist"):
         return value
     if value.ndim == 0 and value.dtype == mx.float32:
-        import numpy as np
-
         return float(str(np.float32(value.item())))
     return value.tolist()
 

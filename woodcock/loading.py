@@ -13,6 +13,8 @@ from woodcock.errors import DrafterError
 from woodcock.formats.detect import detect, format_named
 from woodcock.ir import Drafter
 
+# huggingface_hub (which loads httpx) is imported only when a Hugging Face id is fetched.
+
 HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

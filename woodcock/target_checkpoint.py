@@ -14,6 +14,9 @@ from woodcock.jsonfile import read_json_object
 from woodcock.loading import resolve_source
 from woodcock.tensorfile import read_checkpoint
 
+# MLX and mlx-lm are imported by the functions that build MLX arrays or models: reading and
+# converting drafters works without loading them.
+
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "llm.embed.weight")
 HEAD_NAMES = ("lm_head.weight", "output.weight", "llm.unembed.weight")
 

@@ -22,13 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 
-from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO
+from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO, coverage_by_size
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import jsonl_records
 from woodcock.provenance import portable_path
 from woodcock.staging import staged_file
+
+# `woodcock` imports this module to register the command: target_checkpoint (which loads every
+# drafter format) and transformers are imported when a count runs, not at every start-up.
 
 app = typer.Typer(
     name="vocab",
@@ -98,9 +102,6 @@ def count_tokens(
     force: bool = False,
 ) -> dict[str, Any]:
     """Count, write the two files and return the info written to vocab_counts.json."""
-    import numpy as np
-
-    from woodcock.converters.vocab import coverage_by_size
     from woodcock.target_checkpoint import target_from_config
 
     source, target, out = Path(source), Path(target), Path(out)

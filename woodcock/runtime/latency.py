@@ -23,8 +23,13 @@ from statistics import median
 
 import numpy as np
 
+from woodcock.default_target import cache_dir, resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object
+
+# MLX and the modules that load it (machine, session) are imported in the functions that use
+# them: this module (imported by policy.py) stays MLX-free so that OpenBLAS can still be opened
+# under MLX after importing it (runtime/openblas.py).
 
 FORMAT = "woodcock-latency"
 MAX_VERIFY = 16
@@ -280,9 +285,22 @@ def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
     return run
 
 
-def profile_cache_dir() -> Path:
-    from woodcock.default_target import cache_dir
+def counting_steps(
+    total: int, progress: Callable[[int, int], None] | None
+) -> Callable[[], None]:
+    """An `advance` for work of `total` steps that reports (done, total) to `progress`."""
+    done = 0
 
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    return advance
+
+
+def profile_cache_dir() -> Path:
     return cache_dir() / "latency"
 
 
@@ -292,8 +310,6 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     one block with the session's own drafter and head) and kept in the user cache under a key
     of the machine facts (CPU, BLAS, threads, versions), the target and drafter paths with their
     modification times, the dtype and the head."""
-    # imported here: both load MLX, and this module (imported by policy.py) stays MLX-free so
-    # that OpenBLAS can still be opened under MLX after importing it (runtime/openblas.py)
     from woodcock.runtime.machine import machine_facts
     from woodcock.runtime.session import DrafterChoice
 
@@ -315,14 +331,6 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     block = session.drafter.num_drafts
     repeats = 3
     total = (QUICK_VERIFY + (1 if block else QUICK_DRAFT)) * repeats
-    done = 0
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
     profile = measure(
         session.target,
         drafters,
@@ -330,7 +338,7 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
         max_verify=QUICK_VERIFY,
         max_draft=QUICK_DRAFT,
         repeats=repeats,
-        advance=advance,
+        advance=counting_steps(total, progress),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
@@ -345,3 +353,70 @@ def _identity(source: str) -> list:
     """A path with its modification time (a rewritten drafter gets a new profile); an id as is."""
     path = Path(source)
     return [str(path.resolve()), path.stat().st_mtime_ns] if path.exists() else [source]
+
+
+def policy_with_profile(
+    policy: str, session, target: str, drafter: str, *, progress=None
+) -> str:
+    """`auto` / `confidence` given without a latency file: with this machine's cached profile for
+    the pair (`cached_profile`, measured now, once, if there is none); any other policy as is."""
+    if policy not in ("auto", "confidence"):
+        return policy
+    return f"{policy}:{cached_profile(session, target, drafter, progress=progress)}"
+
+
+def measure_pair(
+    target: str | None,
+    drafter: str,
+    out: Path,
+    *,
+    contexts: Sequence[int] = (64, 256, 1024),
+    repeats: int = 5,
+    dtype: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """`woodcock latency`: the pair's profile (`measure`) at these contexts, with the full head
+    and every head size the drafter names (PATH@COUNTS:N1,N2), written to `out` with the machine
+    facts; warns on stderr of the machine's slow paths. progress: (done, total) after each
+    timing. -> what was written."""
+    from woodcock.runtime.machine import machine_facts, warn_slow_paths
+    from woodcock.runtime.session import open_session
+
+    target, drafter = resolve_pair(target, drafter)
+    session = open_session(target, drafter, dtype=dtype, many_heads=True)
+    drafters = {"full": session.drafter_with_head(None)}
+    for size in session.choice.head_sizes:
+        drafters[str(size)] = session.drafter_with_head(size)
+    per_drafter = 1 if session.spec.is_block else 8
+    total = (len(contexts) * MAX_VERIFY + len(drafters) * per_drafter) * repeats
+    profile = measure(
+        session.target,
+        drafters,
+        contexts=contexts,
+        repeats=repeats,
+        advance=counting_steps(total, progress),
+    )
+    dtype_name = session.dtype_name
+    facts = machine_facts(dtype_name)
+    data = {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile}
+    write_profile(out, data)
+    warn_slow_paths(facts)
+    return data
+
+
+def profile_summary(path: str | Path) -> str:
+    """What `woodcock latency` prints about the profile it wrote: the cost of verifying and
+    drafting at the first context measured, and the acceptance needed at every draft position."""
+    data = read_json_object(Path(path))
+    context, verify = next(iter(data["verify_seconds"].items()))
+    draft = data["draft_seconds"]
+    drafts = ", ".join(f"{label} {seconds[0] * 1e3:.1f} ms" for label, seconds in draft.items())
+    head = next(iter(draft))
+    lines = [
+        f"wrote {path}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens"
+        f" {verify[-1] * 1e3:.1f} ms (context {context}); draft {drafts}",
+        f"acceptance needed at every draft position (context {context}, head {head}), against"
+        " one-token steps:",
+    ]
+    table = acceptance_needed_table(LatencyProfile.load(path), int(context), head=head)
+    return "\n".join(lines + ["  " + row for row in table])

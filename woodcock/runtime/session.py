@@ -9,9 +9,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from woodcock.converters.vocab import load_counts
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec
 from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.runtime.block import BlockDrafter
+from woodcock.runtime.eagle3 import Eagle3Drafter
+from woodcock.runtime.ngram import NgramDrafter, PromptLookup
 from woodcock.runtime.target import MlxTarget
 from woodcock.target_checkpoint import load_mlx_target
 
@@ -70,8 +74,6 @@ def truncated_head(drafter: Drafter, choice: DrafterChoice, head_size: int) -> n
 
 
 def _read_counts(path: Path) -> np.ndarray:
-    from woodcock.converters.vocab import load_counts
-
     return load_counts(path).counts.counts
 
 
@@ -107,20 +109,21 @@ class Session:
     def drafter_with_head(self, head_size: int | None):
         """Another runtime drafter over the same weights, with a truncated head (None: full)."""
         head_ids = None if head_size is None else truncated_head(self.ir, self.choice, head_size)
-        return _runtime_drafter(self.ir, self.shared, self.runtime_dtype, head_ids)
+        return runtime_drafter(self.ir, self.shared, dtype=self.runtime_dtype, head_ids=head_ids)
 
 
-def _runtime_drafter(drafter: Drafter, shared, dtype, head_ids):
+def runtime_drafter(
+    drafter: Drafter, shared: dict | None, *, dtype=mx.float32, head_ids: np.ndarray | None = None
+):
+    """The MLX drafter of the IR's algorithm (BlockDrafter for DFlash / DSpark, else
+    Eagle3Drafter). shared: the target's tensors the drafter takes from it; head_ids: the
+    draft-head rows to keep (EAGLE-3 only; None: all)."""
     if drafter.spec.is_block:
-        from woodcock.runtime.block import BlockDrafter
-
         if head_ids is not None:
             raise DrafterError(
                 "a truncated head (@N) is for EAGLE-3 drafters; block drafters draft once per block"
             )
         return BlockDrafter(drafter, shared, dtype=dtype)
-    from woodcock.runtime.eagle3 import Eagle3Drafter
-
     return Eagle3Drafter(drafter, shared, dtype=dtype, head_ids=head_ids)
 
 
@@ -146,8 +149,6 @@ def open_session(
         model.set_dtype(compute_dtype)
     name = f"target {target_source}"
     if choice.source == "ngram":
-        from woodcock.runtime.ngram import NgramDrafter
-
         target = MlxTarget(model, (), name=name)
         return Session(model, tokenizer, target, NgramDrafter(target.vocab_size), None)
     drafter, fmt = load_drafter_with_format(choice.source)
@@ -161,9 +162,7 @@ def open_session(
     runtime_dtype = compute_dtype or mx.float32
     size = choice.head_sizes[0] if len(choice.head_sizes) == 1 else None
     head_ids = None if size is None else truncated_head(drafter, choice, size)
-    runtime = _runtime_drafter(drafter, shared, runtime_dtype, head_ids)
-    from woodcock.runtime.ngram import PromptLookup
-
+    runtime = runtime_drafter(drafter, shared, dtype=runtime_dtype, head_ids=head_ids)
     return Session(
         model,
         tokenizer,
