@@ -13,6 +13,9 @@ from woodcock import __version__
 from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
+from woodcock.runtime.backend import configure_tf32
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
 
@@ -235,6 +238,16 @@ LookupOption = Annotated[
 ]
 
 
+AllowTf32 = Annotated[
+    bool,
+    typer.Option(
+        "--allow-tf32",
+        help="Let MLX's GPU backends multiply fp32 matrices in TF32: faster, but a verify of"
+        " several rows may then round a near tie apart from plain decoding's one-row step.",
+    ),
+]
+
+
 @app.command()
 def generate(
     drafter: Annotated[
@@ -286,12 +299,14 @@ def generate(
         typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
     ] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object at the end.")
     ] = False,
 ) -> None:
     """Generate with speculative decoding: greedy output is token for token the target's own;
     sampling follows the target's distribution exactly."""
+    configure_tf32(allow_tf32)
     import mlx.core as mx
 
     from woodcock.runtime.generate import encode_prompt
@@ -355,6 +370,7 @@ def generate(
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
         "peak_memory_gb": result.peak_memory_gb,
+        "backend": backend_report(),
     }
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -379,6 +395,7 @@ def generate(
         f"\ndraft length ({policy}): {stats.average_draft_length:.2f} on average;"
         f" per round {' '.join(map(str, stats.drafted[:32]))}{' ...' if stats.rounds > 32 else ''}"
         f"\npeak memory: {result.peak_memory_gb:.3f} GB"
+        f"\nbackend: {describe_backend(report['backend'])}"
     )
 
 
@@ -395,10 +412,12 @@ def latency(
     ] = "64,256,1024",
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed runs per point.")] = 5,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    allow_tf32: AllowTf32 = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
 ) -> None:
     """Measure this machine: the cost of drafting (per head size) and of verifying k = 1..16
     tokens at a few context lengths, for the auto and confidence policies."""
+    configure_tf32(allow_tf32)
     from rich.progress import Progress
 
     from woodcock.runtime.latency import (
@@ -441,12 +460,20 @@ def latency(
     facts = machine_facts(dtype_name)
     write_profile(
         out,
-        {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile},
+        {
+            "machine": facts,
+            "backend": backend_report(),
+            "target": target,
+            "drafter": drafter,
+            "dtype": dtype_name,
+            **profile,
+        },
     )
     warn_slow_paths(facts)
     verify = profile["verify_seconds"][str(lengths[0])]
     typer.echo(
-        f"wrote {out}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens {verify[-1] * 1e3:.1f} ms"
+        f"wrote {out} ({describe_backend(backend_report())}): verify 1 token"
+        f" {verify[0] * 1e3:.1f} ms, 16 tokens {verify[-1] * 1e3:.1f} ms"
         f" (context {lengths[0]}); draft "
         + ", ".join(
             f"{label} {ts[0] * 1e3:.1f} ms" for label, ts in profile["draft_seconds"].items()
@@ -501,6 +528,7 @@ def bench(
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
     compare_lookup: Annotated[
         bool,
         typer.Option(
@@ -513,7 +541,9 @@ def bench(
     """Plain mlx-lm greedy decoding against woodcock on the same prompts, interleaved in one
     process (each prompt: plain decoding once, then every drafter, policy and lookup setting
     asked for): speed per domain, tokens per round, acceptance, and whether outputs are
-    identical."""
+    identical: where not, whether the first divergence is a tie the backend's rounding decides
+    (exit code 0) or a real difference (exit code 1)."""
+    configure_tf32(allow_tf32)
     from rich.console import Console
     from rich.progress import Progress
 
@@ -565,6 +595,7 @@ def bench(
                         for run, (_, rows) in zip(runs, labelled, strict=True)
                     ],
                     "machine": facts,
+                    "backend": backend_report(),
                 },
                 indent=2,
             )
@@ -576,16 +607,16 @@ def bench(
             baseline = labelled[0][1][-1]["baseline_tps"]
             typer.echo(f"plain mlx-lm decoding: {baseline:.1f} tok/s")
             typer.echo(render_comparison(labelled) + "\n")
-        backend = (facts.get("mlx") or {}).get("backend")
         blas = (facts.get("blas") or {}).get("library") or "unknown"
         threads = facts.get("openblas_num_threads") if blas == "openblas" else None
         typer.echo(TABLE_NOTES)
         typer.echo(
-            f"{max_tokens} new tokens, greedy, batch 1; {backend} backend, BLAS {blas}"
+            f"{max_tokens} new tokens, greedy, batch 1; {describe_backend(backend_report())},"
+            f" BLAS {blas}"
             + (f" on {threads} threads" if threads else "")
         )
     warn_slow_paths(facts)
-    if any(rows[-1]["identical"] != rows[-1]["prompts"] for _, rows in labelled):
+    if any(rows[-1]["different"] for _, rows in labelled):
         raise typer.Exit(1)
 
 
@@ -682,12 +713,14 @@ def serve(
         typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
     ] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
 ) -> None:
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     streamed or not, /v1/models, /health, /metrics) with speculative decoding; one request at a
     time from a bounded queue."""
     from woodcock.serve import serve as run_server
 
+    configure_tf32(allow_tf32)
     run_server(
         target,
         drafter,
