@@ -1,5 +1,6 @@
 """`woodcock bench`: plain mlx-lm decoding and woodcock on the same prompts, interleaved in one
-process, with the outputs compared token for token and the speed table per domain."""
+process, with the outputs compared token for token (where they part, the first divergence
+classified: woodcock.runtime.divergence) and the speed table per domain."""
 
 from __future__ import annotations
 
@@ -234,13 +235,13 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def divergence_line(divergence: dict) -> str:
-    d = divergence
+def divergence_line(d: dict) -> str:
+    """One prompt's first divergence (`Divergence.as_dict` with its domain and prompt id)."""
     return (
         f"  {d['domain']} prompt {d['prompt']}: first divergence at token {d['position']}, plain"
         f" {d['plain_token']} / woodcock {d['woodcock_token']}; margin {d['one_row_margin']:.3g}"
         f" on the one-row path, {d['verify_margin']:.3g} in the {d['verify_rows']}-row verify;"
-        f" noise {d['noise']:.3g}: {'tie' if d['kind'] == 'tie' else 'DIFFERENT'}"
+        f" noise {d['noise']:.3g}: {d['kind'] if d['kind'] == 'tie' else 'DIFFERENT'}"
     )
 
 

@@ -70,13 +70,14 @@ def classify(
     position = first_divergence(expected, tokens)
     if position is None:
         return None
-    one_row = plain_logits(session.model, prompt, position).astype(mx.float32)
+    one_row = plain_logits(session.model, prompt, position)
+    dtype, one_row = one_row.dtype, one_row.astype(mx.float32)
     verify, rows = verify_logits(session.target, prompt, tokens, stats, position)
     verify = verify.astype(mx.float32)
     plain_token = expected[position] if position < len(expected) else mx.argmax(one_row).item()
     ours = tokens[position] if position < len(tokens) else mx.argmax(verify).item()
     noise = rounding_noise(session.target, [*prompt, *expected[:position]], rows)
-    floor = ulp(session.runtime_dtype, mx.abs(one_row).max().item())
+    floor = ulp(dtype, mx.abs(one_row).max().item())
     session.target.reset()
     return Divergence(
         position=position,
