@@ -1,5 +1,6 @@
 """`woodcock bench`: plain mlx-lm decoding and woodcock on the same prompts, interleaved in one
-process, with the outputs compared token for token and the speed table per domain."""
+process, with the outputs compared token for token (where they part, the first divergence
+classified: woodcock.runtime.divergence) and the speed table per domain."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import mlx.core as mx
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.prompts import load_prompt_file, load_prompts
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.runtime.decode import Stats
+from woodcock.runtime.divergence import classify
 from woodcock.runtime.generate import encode_prompt, generate
 from woodcock.runtime.latency import (
     LatencyProfile,
@@ -35,6 +39,9 @@ class DomainResult:
     domain: str
     prompts: int = 0
     identical: int = 0
+    ties: int = 0  # first divergence within the backend's measured rounding noise
+    different: int = 0
+    divergences: list[dict] = field(default_factory=list)
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
     woodcock_tokens: int = 0
@@ -47,6 +54,9 @@ class DomainResult:
     def add(self, other: DomainResult) -> None:
         self.prompts += other.prompts
         self.identical += other.identical
+        self.ties += other.ties
+        self.different += other.different
+        self.divergences += other.divergences
         self.baseline_tokens += other.baseline_tokens
         self.baseline_seconds += other.baseline_seconds
         self.woodcock_tokens += other.woodcock_tokens
@@ -74,6 +84,8 @@ class DomainResult:
             "domain": self.domain,
             "prompts": self.prompts,
             "identical": self.identical,
+            "ties": self.ties,
+            "different": self.different,
             "baseline_tps": baseline,
             "woodcock_tps": ours,
             "speedup": speedup,
@@ -86,7 +98,21 @@ class DomainResult:
             "copied_rounds": self.stats.copied_rounds,
             "copied_tokens_per_round": self.stats.copied_tokens_per_round,
             "extended_rounds": self.stats.extended_rounds,
+            "divergences": self.divergences,
         }
+
+    def compare(self, prompt_id: str, divergence) -> None:
+        """Count one prompt's outputs as identical, a tie or different (a Divergence or None)."""
+        if divergence is None:
+            self.identical += 1
+            return
+        if divergence.tie:
+            self.ties += 1
+        else:
+            self.different += 1
+        self.divergences.append(
+            {"domain": self.domain, "prompt": prompt_id, **divergence.as_dict()}
+        )
 
 
 def baseline_generate(
@@ -224,7 +250,7 @@ def run_bench(
             )
             result = by_domain.setdefault(prompt.domain, DomainResult(prompt.domain))
             result.prompts += 1
-            result.identical += ours.tokens == expected
+            result.compare(prompt.id, classify(run.session, ids, expected, ours.tokens, ours.stats))
             result.baseline_tokens += len(expected)
             result.baseline_seconds += baseline_seconds
             result.woodcock_tokens += len(ours.tokens)
@@ -261,12 +287,28 @@ def render_table(rows: list[dict]) -> str:
             f"{row['average_draft_length']:>7.2f}{copied:>8.0%}  {acceptance}"
         )
     total = rows[-1]
-    verdict = "identical" if total["identical"] == total["prompts"] else "DIFFERENT"
-    lines.append(
-        f"greedy outputs {verdict} to plain mlx-lm decoding on {total['identical']} of"
+    verdict = (
+        f"greedy outputs identical to plain mlx-lm decoding on {total['identical']} of"
         f" {total['prompts']} prompts"
     )
+    if total["identical"] != total["prompts"]:
+        verdict += (
+            f"; {total['ties']} ties (the first divergence within the backend's measured rounding"
+            f" noise), {total['different']} DIFFERENT"
+        )
+    lines.append(verdict)
+    lines += [divergence_line(d) for d in total["divergences"]]
     return "\n".join(lines)
+
+
+def divergence_line(d: dict) -> str:
+    """One prompt's first divergence (`Divergence.as_dict` with its domain and prompt id)."""
+    return (
+        f"  {d['domain']} prompt {d['prompt']}: first divergence at token {d['position']}, plain"
+        f" {d['plain_token']} / woodcock {d['woodcock_token']}; margin {d['one_row_margin']:.3g}"
+        f" on the one-row path, {d['verify_margin']:.3g} in the {d['verify_rows']}-row verify;"
+        f" noise {d['noise']:.3g}: {d['kind'] if d['kind'] == 'tie' else 'DIFFERENT'}"
+    )
 
 
 def render_comparison(labelled: Sequence[tuple[str, list[dict]]]) -> str:
@@ -335,10 +377,17 @@ class BenchReport:
     labelled: list[tuple[str, list[dict]]]  # (run label, summary rows), one a run
     machine: dict
 
+    backend: dict  # woodcock.runtime.backend.report()
+
     @property
     def identical(self) -> bool:
         """Every run's greedy output was plain decoding's on every prompt."""
         return all(rows[-1]["identical"] == rows[-1]["prompts"] for _, rows in self.labelled)
+
+    @property
+    def different(self) -> int:
+        """Prompts, over all runs, whose first divergence is not a rounding tie."""
+        return sum(rows[-1]["different"] for _, rows in self.labelled)
 
     def as_json(self) -> dict:
         return {
@@ -348,6 +397,7 @@ class BenchReport:
                 for run, (_, rows) in zip(self.runs, self.labelled, strict=True)
             ],
             "machine": self.machine,
+            "backend": self.backend,
         }
 
     def render_text(self) -> str:
@@ -357,12 +407,12 @@ class BenchReport:
             parts.append(f"plain mlx-lm decoding: {baseline:.1f} tok/s")
             parts.append(render_comparison(self.labelled) + "\n")
         facts = self.machine
-        backend = (facts.get("mlx") or {}).get("backend")
         blas = (facts.get("blas") or {}).get("library") or "unknown"
         threads = facts.get("openblas_num_threads") if blas == "openblas" else None
         parts.append(TABLE_NOTES)
         parts.append(
-            f"{self.max_tokens} new tokens, greedy, batch 1; {backend} backend, BLAS {blas}"
+            f"{self.max_tokens} new tokens, greedy, batch 1; {describe_backend(self.backend)},"
+            f" BLAS {blas}"
             + (f" on {threads} threads" if threads else "")
         )
         return "\n".join(parts)
@@ -402,4 +452,6 @@ def benchmark(
     ]
     if chart is not None:
         write_chart(labelled, str(chart))
-    return BenchReport(max_tokens, runs, labelled, machine_facts(runs[0].session.dtype_name))
+    return BenchReport(
+        max_tokens, runs, labelled, machine_facts(runs[0].session.dtype_name), backend_report()
+    )

@@ -14,6 +14,7 @@ from woodcock import __version__
 from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
+from woodcock.runtime.backend import configure_tf32
 from woodcock.staging import leftovers_message, reporting_removed_leftovers
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
@@ -239,6 +240,14 @@ LookupOption = Annotated[
         " instead of asking the drafter.",
     ),
 ]
+AllowTf32 = Annotated[
+    bool,
+    typer.Option(
+        "--allow-tf32",
+        help="Let MLX's GPU backends multiply fp32 matrices in TF32: faster, but a verify of"
+        " several rows may then round a near tie apart from plain decoding's one-row step.",
+    ),
+]
 
 
 @app.command()
@@ -292,12 +301,14 @@ def generate(
         typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
     ] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object at the end.")
     ] = False,
 ) -> None:
     """Generate with speculative decoding: greedy output is token for token the target's own;
     sampling follows the target's distribution exactly."""
+    configure_tf32(allow_tf32)
     from woodcock.generation import generate_report
 
     if (prompt is None) == (prompt_file is None):
@@ -349,10 +360,12 @@ def latency(
     ] = "64,256,1024",
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed runs per point.")] = 5,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
+    allow_tf32: AllowTf32 = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
 ) -> None:
     """Measure this machine: the cost of drafting (per head size) and of verifying k = 1..16
     tokens at a few context lengths, for the auto and confidence policies."""
+    configure_tf32(allow_tf32)
     from woodcock.runtime.latency import measure_pair, profile_summary
 
     if out.exists() and not force:
@@ -412,6 +425,7 @@ def bench(
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     dtype: Annotated[str | None, typer.Option("--dtype")] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
     compare_lookup: Annotated[
         bool,
         typer.Option(
@@ -424,7 +438,9 @@ def bench(
     """Plain mlx-lm greedy decoding against woodcock on the same prompts, interleaved in one
     process (each prompt: plain decoding once, then every drafter, policy and lookup setting
     asked for): speed per domain, tokens per round, acceptance, and whether outputs are
-    identical."""
+    identical: where not, whether the first divergence is a tie the backend's rounding decides
+    (exit code 0) or a real difference (exit code 1)."""
+    configure_tf32(allow_tf32)
     from woodcock.bench import benchmark
     from woodcock.runtime.machine import warn_slow_paths
 
@@ -450,7 +466,7 @@ def bench(
         )
     typer.echo(json.dumps(report.as_json(), indent=2) if as_json else report.render_text())
     warn_slow_paths(report.machine)
-    if not report.identical:
+    if report.different:
         raise typer.Exit(1)
 
 
@@ -503,11 +519,14 @@ def serve(
         typer.Option("--dtype", help="float32 (default on CPU), bfloat16 or float16."),
     ] = None,
     lookup: LookupOption = True,
+    allow_tf32: AllowTf32 = False,
 ) -> None:
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    streamed or not, /v1/models, /health, /metrics) with speculative decoding; one request at a
-    time from a bounded queue."""
+    """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions) and Anthropic's
+    (/v1/messages, /v1/messages/count_tokens), streamed or not, plus /v1/models, /health and
+    /metrics, with speculative decoding; one request at a time from a bounded queue."""
     from woodcock.serve import serve as run_server
+
+    configure_tf32(allow_tf32)
 
     run_server(
         target,

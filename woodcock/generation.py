@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from woodcock.default_target import resolve_pair
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.runtime.generate import Generation, encode_prompt, generate
 from woodcock.runtime.latency import policy_with_profile
 from woodcock.runtime.machine import machine_facts, warn_slow_paths
@@ -48,6 +50,7 @@ class GenerationReport:
             f"\ndraft length ({report['policy']}): {report['average_draft_length']:.2f} on"
             f" average; per round {' '.join(map(str, drafted[:32]))}{more}"
             f"\npeak memory: {report['peak_memory_gb']:.3f} GB"
+            f"\nbackend: {describe_backend(report['backend'])}"
         )
 
 
@@ -73,6 +76,7 @@ def generation_fields(result: Generation, policy: str) -> dict:
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
         "peak_memory_gb": result.peak_memory_gb,
+        "backend": backend_report(),
     }
 
 

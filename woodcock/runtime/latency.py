@@ -26,6 +26,8 @@ import numpy as np
 from woodcock.default_target import cache_dir, resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 
 # MLX and the modules that load it (machine, session) are imported in the functions that use
 # them: this module (imported by policy.py) stays MLX-free so that OpenBLAS can still be opened
@@ -398,7 +400,14 @@ def measure_pair(
     )
     dtype_name = session.dtype_name
     facts = machine_facts(dtype_name)
-    data = {"machine": facts, "target": target, "drafter": drafter, "dtype": dtype_name, **profile}
+    data = {
+        "machine": facts,
+        "backend": backend_report(),
+        "target": target,
+        "drafter": drafter,
+        "dtype": dtype_name,
+        **profile,
+    }
     write_profile(out, data)
     warn_slow_paths(facts)
     return data
@@ -413,7 +422,8 @@ def profile_summary(path: str | Path) -> str:
     drafts = ", ".join(f"{label} {seconds[0] * 1e3:.1f} ms" for label, seconds in draft.items())
     head = next(iter(draft))
     lines = [
-        f"wrote {path}: verify 1 token {verify[0] * 1e3:.1f} ms, 16 tokens"
+        f"wrote {path} ({describe_backend(data['backend'])}): verify 1 token"
+        f" {verify[0] * 1e3:.1f} ms, 16 tokens"
         f" {verify[-1] * 1e3:.1f} ms (context {context}); draft {drafts}",
         f"acceptance needed at every draft position (context {context}, head {head}), against"
         " one-token steps:",

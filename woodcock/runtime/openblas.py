@@ -8,7 +8,8 @@ verifying a few tokens costs little more than decoding one, which speculative de
 
 This module imports nothing of MLX: `load_openblas` must run before `mlx.core` is imported.
 Importing `woodcock` calls it (and `warn_if_too_late`), so a script that imports woodcock before
-MLX gets the fast BLAS without doing anything.
+MLX gets the fast BLAS without doing anything. Where MLX computes on a GPU (CUDA, Metal) only
+its CPU stream calls BLAS: the library is still opened, and nothing is said about it.
 """
 
 from __future__ import annotations
@@ -70,14 +71,16 @@ def _global_symbol(name: str) -> bool:
 
 
 def warn_if_too_late() -> None:
-    """One warning when MLX was imported before woodcock on a Linux machine that has OpenBLAS:
-    its CPU backend is then bound to the BLAS it bundles, 3-18x slower at fp32 matmuls."""
+    """One warning when MLX was imported before woodcock on a Linux machine that has OpenBLAS and
+    computes on the CPU: its CPU backend is then bound to the BLAS it bundles, 3-18x slower at
+    fp32 matmuls. Silent when MLX's default device is a GPU."""
     if platform.system() != "Linux" or os.environ.get(OPT_OUT) == "0":
         return
-    if "mlx.core" not in sys.modules or _global_symbol("cblas_sgemm"):
+    core = sys.modules.get("mlx.core")
+    if core is None or _global_symbol("cblas_sgemm"):
         return
-    if not find_openblas().exists():
-        return
+    if core.default_device() != core.cpu or not find_openblas().exists():
+        return  # on a GPU (CUDA, Metal) MLX's matmuls do not go through the CPU's BLAS
     warnings.warn(
         "mlx was imported before woodcock, so MLX's CPU backend keeps the reference BLAS it"
         " bundles (fp32 matmuls 3-18x slower); import woodcock first, or start Python with"

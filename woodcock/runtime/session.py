@@ -13,6 +13,7 @@ from woodcock.converters.vocab import load_counts
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec
 from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.runtime.backend import configure_tf32
 from woodcock.runtime.block import BlockDrafter
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.ngram import NgramDrafter, PromptLookup
@@ -140,6 +141,7 @@ def open_session(
     most one size may be given and the session's drafter uses it. lookup: rounds whose recent
     tokens repeat copy from the context instead of asking the model drafter (PromptLookup).
     loaded: (model, tokenizer) of target_source already loaded by another session, to share."""
+    configure_tf32()  # before the target's first matmul: exact fp32 verifies on a GPU by default
     choice = DrafterChoice.parse(drafter_text)
     if len(choice.head_sizes) > 1 and not many_heads:
         raise DrafterError(f"--drafter {drafter_text!r}: give one head size here")
