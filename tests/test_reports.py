@@ -24,7 +24,7 @@ REPORT_FIELDS = {
     "text", "finish_reason", "prompt_tokens", "prompt_tps", "generation_tokens",
     "generation_tps", "rounds", "tokens_per_round", "acceptance_by_position", "copied_rounds",
     "copied_tokens_per_round", "extended_rounds", "policy", "average_draft_length",
-    "draft_lengths", "draft_seconds", "verify_seconds", "peak_memory_gb",
+    "draft_lengths", "draft_seconds", "verify_seconds", "peak_memory_gb", "backend",
 }  # fmt: skip
 
 
@@ -56,6 +56,7 @@ def test_generate_report_fields_text_and_streamed_pieces(pair):
     json.dumps(fields)  # what --json prints
     text = report.render_text()
     assert text.startswith("\n==========\nprompt: ") and "draft length (fixed:4): " in text
+    assert fields["backend"]["backend"] == "cpu" and text.endswith("\nbackend: cpu backend")
     assert report.lookup and "\nprompt lookup: " in text
     plain = generate_report(
         *pair, "The quick brown", policy="fixed:1", max_tokens=16, chat=False, lookup=False
@@ -91,7 +92,7 @@ def test_measure_pair_writes_the_profile_and_its_summary(pair, tmp_path):
     assert [done for done, _ in steps] == list(range(1, len(steps) + 1))
     assert steps[-1] == (steps[-1][1], steps[-1][1]) == ((2 * 16 + 8), (2 * 16 + 8))
     summary = profile_summary(out).splitlines()
-    assert summary[0].startswith(f"wrote {out}: verify 1 token ") and "(context 24)" in summary[0]
+    assert summary[0].startswith(f"wrote {out} (cpu backend): verify 1 token ") and "(context 24)" in summary[0]
     assert summary[1].startswith("acceptance needed at every draft position (context 24, head full)")
     assert all(line.startswith("  ") for line in summary[2:]) and len(summary) > 2
 
