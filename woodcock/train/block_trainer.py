@@ -85,8 +85,7 @@ class BlockInputs:
     target: Any  # mx [n, Vd]: the target's draft-vocabulary distribution per row
     neg_entropy: Any  # mx [n]: sum p log p of each row's target (KL = CE + this)
     weight: Any  # mx [n]: decay weight, 0 where the target's argmax is outside the head
-    count: Any  # mx scalar: the loss's denominator (rows with a loss, at least 1)
-    loss_rows: int  # the rows with a loss
+    loss_rows: int  # rows with a loss (weight > 0)
     slot: np.ndarray  # [n] draft slot j
     block: np.ndarray  # [n] flat block index s*N + a
     target_argmax: np.ndarray  # [n] the target's full-vocabulary argmax
@@ -160,7 +159,6 @@ class BlockTrainer:
             target=target,
             neg_entropy=neg_entropy,
             weight=mx.array(weight.astype(np.float32)),
-            count=mx.array(float(max(1, int((weight > 0).sum())))),
             loss_rows=int((weight > 0).sum()),
             slot=k_idx - shift,
             block=b_idx * count + a_idx,
@@ -169,21 +167,22 @@ class BlockTrainer:
             tokens_in=batch.tokens_in,
         )
 
-    def _loss(self, model, inputs: BlockInputs):
+    def _loss(self, model, inputs: BlockInputs, count):
+        """count: the losses are means over this many rows (mx scalar, at least 1)."""
         import mlx.core as mx
 
         hidden = block_states(model, self.spec, inputs.taps, inputs.anchors, inputs.block_ids)
         logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
         lse = mx.logsumexp(logits, axis=-1)
         kl = lse - (inputs.target * logits).sum(-1) + inputs.neg_entropy  # [n]
-        token_loss = (inputs.weight * kl).sum() / inputs.count
+        token_loss = (inputs.weight * kl).sum() / count
         q = mx.exp(logits - lse[:, None])
         alpha = mx.stop_gradient(mx.minimum(q, inputs.target).sum(-1))
         total, confidence_loss, probability = token_loss, mx.array(0.0), None
         if confidence is not None:
             # BCE with logits: softplus(z) - alpha z
             bce = mx.logaddexp(mx.zeros_like(confidence), confidence) - alpha * confidence
-            confidence_loss = (inputs.weight * bce).sum() / inputs.count
+            confidence_loss = (inputs.weight * bce).sum() / count
             total = total + self.opts.confidence_weight * confidence_loss
             probability = mx.sigmoid(confidence)
         outputs = (token_loss, confidence_loss, kl, alpha, probability, mx.argmax(logits, -1))
@@ -226,15 +225,15 @@ class BlockTrainer:
         if inputs is None:
             outputs, grads, losses = None, zero_gradients(self.model), (mx.array(0.0),) * 3
         else:
-            inputs.count = mx.array(float(max(1, loss_rows)))
-            (loss, outputs), grads = self._loss_and_grad(self.model, inputs)
+            count = mx.array(float(max(1, loss_rows)))
+            (loss, outputs), grads = self._loss_and_grad(self.model, inputs, count)
             losses = (loss, *outputs[:2])
         grads, (loss, token_loss, confidence_loss) = self.group.sum_arrays((grads, losses))
         grads, norm = optim.clip_grad_norm(grads, self.opts.clip)
         self.optimizer.update(self.model, grads)
         ready = [] if outputs is None else [x for x in outputs if x is not None]
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, ready)
-        mx.eval(token_loss, confidence_loss)
+        mx.eval(token_loss, confidence_loss)  # summed over the ranks: not among `ready` then
         metrics = BlockMetrics(self.slots) if outputs is None else self._counts(inputs, outputs)
         self.group.sum_fields(metrics, (*BlockMetrics.SUMS, "has_confidence"))
         summary = metrics.summary()
@@ -258,11 +257,11 @@ class BlockTrainer:
             inputs = self.inputs(batch, anchors)
             if inputs is None:
                 continue
-            _, outputs = self._loss(self.model, inputs)
+            n = float(max(1, inputs.loss_rows))
+            _, outputs = self._loss(self.model, inputs, mx.array(n))
             mx.eval([x for x in outputs if x is not None])
             metrics.merge(self._counts(inputs, outputs))
             losses = self._losses(*outputs[:2])
-            n = float(inputs.count.item())
             loss_sum += losses["token_loss"] * n
             confidence_sum += losses.get("confidence_loss", 0.0) * n
             count += n
