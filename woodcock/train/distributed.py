@@ -34,8 +34,9 @@ class Group:
         return self.rank == 0
 
     def shard(self, items: Sequence[Item]) -> list[Item]:
-        """This rank's share of a global batch: every size-th item from its rank on (lengths,
-        sorted within a batch, spread evenly); empty when the batch has fewer items than ranks."""
+        """This rank's share of a global batch: every size-th item from its rank on, so that the
+        lengths, sorted within a batch, spread evenly; empty when the batch has fewer items than
+        ranks."""
         return list(items[self.rank :: self.size])
 
     def sum(self, values: np.ndarray) -> np.ndarray:

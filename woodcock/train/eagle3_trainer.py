@@ -163,22 +163,23 @@ class Eagle3Trainer:
             counts=loss_mask.reshape(self.steps, -1).sum(axis=1),
         )
 
-    def _loss(self, model, tokens, taps, target, selections, denominators):
+    def _loss(self, model, inputs: StepInputs, denominators):
         """denominators [K]: step k's loss is a mean over this many rows (at least 1)."""
         import mlx.core as mx
 
-        states = ttt_states(model, tokens, taps, self.steps)
+        states = ttt_states(model, inputs.tokens, inputs.taps, self.steps)
         total = mx.array(0.0)
         per_step, drafts = [], []
         for k, state in enumerate(states):
-            if selections[k] is None:
+            if inputs.selections[k] is None:
                 per_step.append(mx.array(0.0))
                 drafts.append(None)
                 continue
-            flat, where, weight = selections[k]
+            flat, where, weight = inputs.selections[k]
             chosen = mx.take(state.reshape(-1, state.shape[-1]), flat, axis=0)
             logits = model.lm_head(chosen)  # [n, Vd]
-            ce = mx.logsumexp(logits, axis=-1) - (mx.take(target, where, axis=0) * logits).sum(-1)
+            chosen_target = mx.take(inputs.target, where, axis=0)
+            ce = mx.logsumexp(logits, axis=-1) - (chosen_target * logits).sum(-1)
             loss = (ce * weight).sum() / denominators[k]
             total = total + self.weights[k] * loss
             per_step.append(loss)
@@ -214,12 +215,7 @@ class Eagle3Trainer:
             drafts, grads = [None] * self.steps, zero_gradients(self.model)
         else:
             (loss, (per_step, drafts)), grads = self._loss_and_grad(
-                self.model,
-                inputs.tokens,
-                inputs.taps,
-                inputs.target,
-                inputs.selections,
-                denominators,
+                self.model, inputs, denominators
             )
         grads, loss, per_step = self.group.sum_arrays((grads, loss, per_step))
         grads, norm = optim.clip_grad_norm(grads, self.opts.clip)
@@ -246,14 +242,7 @@ class Eagle3Trainer:
         for batch in batches:
             inputs = self._inputs(batch)
             denominators = mx.array(np.maximum(inputs.counts, 1).astype(np.float32))
-            _, (per_step, drafts) = self._loss(
-                self.model,
-                inputs.tokens,
-                inputs.taps,
-                inputs.target,
-                inputs.selections,
-                denominators,
-            )
+            _, (per_step, drafts) = self._loss(self.model, inputs, denominators)
             mx.eval(per_step, [d for d in drafts if d is not None])
             n = inputs.counts.astype(np.float64)
             loss_sum += np.array([float(x.item()) for x in per_step]) * n

@@ -203,8 +203,8 @@ def _target_features(
     """The loaded target and the cache of its features over every sample, built where missing.
 
     The ranks of a distributed run take turns, in rank order, to open the cache and compute what
-    it lacks (both write to it): on one machine rank 0 computes it all and the others find it
-    complete; a rank on another machine, with a data directory of its own, computes its copy."""
+    it lacks (opening it writes too): on one machine rank 0 computes it all and the others find
+    it complete; a rank on another machine, with a data directory of its own, computes its copy."""
     runner = TargetRunner(opts.target, taps)
     key = {
         "version": FEATURES_VERSION,
