@@ -40,7 +40,8 @@ from woodcock.train.block_model import (
     mask_token_id,
     slot_outputs,
 )
-from woodcock.train.data import Batch, eval_batches, make_batch
+from woodcock.train.data import Batch, BatchLengths, eval_batches, make_batch
+from woodcock.train.distributed import Group, zero_gradients
 from woodcock.train.optimization import draft_head, make_optimizer
 from woodcock.train.options import TrainOptions, TrainReport
 from woodcock.train.run import RunInputs
@@ -53,7 +54,7 @@ def anchor_candidates(length: int, prompt_length: int, block_size: int) -> np.nd
     return np.arange(prompt_length, length - block_size, dtype=np.int64)
 
 
-def train_anchors(batch: Batch, count: int, block_size: int, seed: int, step: int):
+def train_anchors(batch: Batch | BatchLengths, count: int, block_size: int, seed: int, step: int):
     """Per sequence up to `count` anchors, sorted, drawn from (seed, step) alone."""
     rng = np.random.default_rng([seed, step])
     out = []
@@ -84,7 +85,7 @@ class BlockInputs:
     target: Any  # mx [n, Vd]: the target's draft-vocabulary distribution per row
     neg_entropy: Any  # mx [n]: sum p log p of each row's target (KL = CE + this)
     weight: Any  # mx [n]: decay weight, 0 where the target's argmax is outside the head
-    count: Any  # mx scalar: the loss's denominator (rows with a loss, at least 1)
+    loss_rows: int  # rows with a loss (weight > 0)
     slot: np.ndarray  # [n] draft slot j
     block: np.ndarray  # [n] flat block index s*N + a
     target_argmax: np.ndarray  # [n] the target's full-vocabulary argmax
@@ -93,10 +94,18 @@ class BlockInputs:
 
 
 class BlockTrainer:
-    def __init__(self, model, spec, head_target_ids, head_matrix: np.ndarray, opts: TrainOptions):
+    def __init__(
+        self,
+        model,
+        spec,
+        head_target_ids,
+        head_matrix: np.ndarray,
+        opts: TrainOptions,
+        group: Group,
+    ):
         import mlx.nn as nn
 
-        self.model, self.spec, self.opts = model, spec, opts
+        self.model, self.spec, self.opts, self.group = model, spec, opts, group
         algorithm = spec.algorithm
         self.block_size = algorithm.block_size
         self.shift = 0 if algorithm.sample_from_anchor else 1
@@ -104,6 +113,7 @@ class BlockTrainer:
         self.mask_id = algorithm.mask_token_id
         self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
         self.decay = np.exp(-np.arange(self.slots) / opts.decay_gamma).astype(np.float32)
+        self.has_confidence = getattr(algorithm, "confidence_head", False)
         self.optimizer = make_optimizer(opts)
         self._loss_and_grad = nn.value_and_grad(model, self._loss)
 
@@ -149,7 +159,7 @@ class BlockTrainer:
             target=target,
             neg_entropy=neg_entropy,
             weight=mx.array(weight.astype(np.float32)),
-            count=mx.array(float(max(1, int((weight > 0).sum())))),
+            loss_rows=int((weight > 0).sum()),
             slot=k_idx - shift,
             block=b_idx * count + a_idx,
             target_argmax=argmax,
@@ -157,28 +167,29 @@ class BlockTrainer:
             tokens_in=batch.tokens_in,
         )
 
-    def _loss(self, model, inputs: BlockInputs):
+    def _loss(self, model, inputs: BlockInputs, count):
+        """count: the losses are means over this many rows (mx scalar, at least 1)."""
         import mlx.core as mx
 
         hidden = block_states(model, self.spec, inputs.taps, inputs.anchors, inputs.block_ids)
         logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
         lse = mx.logsumexp(logits, axis=-1)
         kl = lse - (inputs.target * logits).sum(-1) + inputs.neg_entropy  # [n]
-        token_loss = (inputs.weight * kl).sum() / inputs.count
+        token_loss = (inputs.weight * kl).sum() / count
         q = mx.exp(logits - lse[:, None])
         alpha = mx.stop_gradient(mx.minimum(q, inputs.target).sum(-1))
         total, confidence_loss, probability = token_loss, mx.array(0.0), None
         if confidence is not None:
             # BCE with logits: softplus(z) - alpha z
             bce = mx.logaddexp(mx.zeros_like(confidence), confidence) - alpha * confidence
-            confidence_loss = (inputs.weight * bce).sum() / inputs.count
+            confidence_loss = (inputs.weight * bce).sum() / count
             total = total + self.opts.confidence_weight * confidence_loss
             probability = mx.sigmoid(confidence)
         outputs = (token_loss, confidence_loss, kl, alpha, probability, mx.argmax(logits, -1))
         return total, outputs
 
-    def _metrics(self, inputs: BlockInputs, outputs) -> tuple[BlockMetrics, dict]:
-        token_loss, confidence_loss, kl, alpha, probability, drafts = outputs
+    def _counts(self, inputs: BlockInputs, outputs) -> BlockMetrics:
+        _, _, kl, alpha, probability, drafts = outputs
         metrics = BlockMetrics(self.slots)
         metrics.add(
             inputs,
@@ -187,32 +198,52 @@ class BlockTrainer:
             None if probability is None else np.array(probability),
             np.array(kl),
         )
+        return metrics
+
+    def _losses(self, token_loss, confidence_loss) -> dict[str, float]:
         losses = {"token_loss": float(token_loss.item())}
-        if probability is not None:
+        if self.has_confidence:
             losses["confidence_loss"] = float(confidence_loss.item())
-        return metrics, losses
+        return losses
 
     def train_step(self, inputs: BlockInputs | None) -> dict[str, Any]:
+        """One optimizer step on the batch whose blocks on this rank are `inputs` (None: none).
+
+        The loss over the whole batch is sum_r S_r / N, with S_r rank r's weighted sum of row
+        losses and N = sum_r N_r the rows with a loss on all ranks. Each rank divides its own sum
+        by N (an all_sum of the counts, before the forward pass), so the loss, and its gradient,
+        are the all_sum of the ranks' terms: the single-process step, not a mean of per-rank
+        means."""
         import mlx.core as mx
         import mlx.optimizers as optim
 
-        if inputs is None:
+        mine = [0, 0] if inputs is None else [inputs.rows.shape[0], inputs.loss_rows]
+        rows, loss_rows = (int(x) for x in self.group.sum(np.array(mine)))
+        if rows == 0:
             # nothing to learn from (every answer shorter than a block): no update
             return {"loss": 0.0, "blocks": 0, "rows": 0, "skipped": True}
-        (loss, outputs), grads = self._loss_and_grad(self.model, inputs)
+        if inputs is None:
+            outputs, grads, losses = None, zero_gradients(self.model), (mx.array(0.0),) * 3
+        else:
+            count = mx.array(float(max(1, loss_rows)))
+            (loss, outputs), grads = self._loss_and_grad(self.model, inputs, count)
+            losses = (loss, *outputs[:2])
+        grads, (loss, token_loss, confidence_loss) = self.group.sum_arrays((grads, losses))
         grads, norm = optim.clip_grad_norm(grads, self.opts.clip)
         self.optimizer.update(self.model, grads)
-        ready = [x for x in outputs if x is not None]
+        ready = [] if outputs is None else [x for x in outputs if x is not None]
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, ready)
-        metrics, losses = self._metrics(inputs, outputs)
+        mx.eval(token_loss, confidence_loss)  # summed over the ranks: not among `ready` then
+        metrics = BlockMetrics(self.slots) if outputs is None else self._counts(inputs, outputs)
+        self.group.sum_fields(metrics, (*BlockMetrics.SUMS, "has_confidence"))
         summary = metrics.summary()
         return {
             "loss": float(loss.item()),
-            **losses,
+            **self._losses(token_loss, confidence_loss),
             "accuracy": summary["accuracy"],
             "acceptance_length": summary["acceptance_length"],
             "blocks": summary["blocks"],
-            "rows": int(inputs.rows.shape[0]),
+            "rows": rows,
             "grad_norm": float(norm.item()),
             "lr": float(self.optimizer.learning_rate.item()),  # the rate this step used
         }
@@ -226,11 +257,11 @@ class BlockTrainer:
             inputs = self.inputs(batch, anchors)
             if inputs is None:
                 continue
-            _, outputs = self._loss(self.model, inputs)
+            n = float(max(1, inputs.loss_rows))
+            _, outputs = self._loss(self.model, inputs, mx.array(n))
             mx.eval([x for x in outputs if x is not None])
-            part, losses = self._metrics(inputs, outputs)
-            metrics.merge(part)
-            n = float(inputs.count.item())
+            metrics.merge(self._counts(inputs, outputs))
+            losses = self._losses(*outputs[:2])
             loss_sum += losses["token_loss"] * n
             confidence_sum += losses.get("confidence_loss", 0.0) * n
             count += n
@@ -244,6 +275,8 @@ class BlockTrainer:
 
 class BlockMetrics:
     """Counts behind the per-slot and per-block figures."""
+
+    SUMS = ("hits", "tried", "reached", "passed", "alpha", "confidence", "kl", "blocks", "expected")
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -283,11 +316,9 @@ class BlockMetrics:
         self.expected += float((np.cumprod(grid_alpha[real], axis=1).sum(1) + 1).sum())
 
     def merge(self, other: BlockMetrics) -> None:
-        for name in ("hits", "tried", "reached", "passed", "alpha", "confidence", "kl"):
+        for name in self.SUMS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.has_confidence |= other.has_confidence
-        self.blocks += other.blocks
-        self.expected += other.expected
 
     def summary(self) -> dict[str, Any]:
         tried = np.maximum(self.tried, 1)
@@ -355,8 +386,11 @@ class BlockRun:
             runner, opts.target, inputs.taps, inputs.draft_vocab, opts, mask
         )
         self.model = started_model(inputs, self.spec, build_block_model)
-        self.trainer = BlockTrainer(self.model, self.spec, inputs.head_ids, runner.head, opts)
+        self.trainer = BlockTrainer(
+            self.model, self.spec, inputs.head_ids, runner.head, opts, inputs.group
+        )
         self.optimizer = self.trainer.optimizer
+        self.group = inputs.group
         algorithm = self.spec.algorithm
         self.name = (
             f"woodcock train (block recipe: {algorithm.name}, speculators 0.9.0 anchored blocks,"
@@ -366,11 +400,20 @@ class BlockRun:
         )
 
     def train_step(self, entries, step: int) -> tuple[int, dict[str, Any]]:
-        batch = make_batch(self.arrays, entries, 0)
-        anchors = train_anchors(
-            batch, self.opts.anchors, self.spec.algorithm.block_size, self.opts.seed, step
+        # the anchors of the whole batch, drawn in its order, then this rank's share
+        drawn = train_anchors(
+            BatchLengths.of(entries),
+            self.opts.anchors,
+            self.spec.algorithm.block_size,
+            self.opts.seed,
+            step,
         )
-        return batch.tokens_in, self.trainer.train_step(self.trainer.inputs(batch, anchors))
+        mine = self.group.shard(range(len(entries)))
+        inputs = None
+        if mine:
+            batch = make_batch(self.arrays, [entries[i] for i in mine], 0)
+            inputs = self.trainer.inputs(batch, [drawn[i] for i in mine])
+        return sum(e["length"] for e in entries), self.trainer.train_step(inputs)
 
     def evaluate(self) -> dict[str, Any]:
         size = self.spec.algorithm.block_size

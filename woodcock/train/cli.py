@@ -146,6 +146,8 @@ def train(ctx: typer.Context, **values: Any) -> None:
             bar.update(tasks[phase], completed=done, total=total)
 
         report = run_train(options, progress=progress)
+    if not report.wrote:
+        return  # rank 0 of a distributed run says what it wrote
     this_run = (
         f", final loss {report.losses[-1]:.4f}, {report.train_tokens_per_second:.0f} training"
         " tokens/s"

@@ -99,6 +99,21 @@ class Batch:
         return int(self.lengths.sum())
 
 
+@dataclass
+class BatchLengths:
+    """The sequence and prompt lengths of a batch of feature-cache entries, without its rows."""
+
+    lengths: np.ndarray  # [B]
+    prompt_lengths: np.ndarray  # [B]
+
+    @classmethod
+    def of(cls, entries: Sequence[dict]) -> BatchLengths:
+        return cls(
+            np.array([e["length"] for e in entries], np.int64),
+            np.array([e["prompt_length"] for e in entries], np.int64),
+        )
+
+
 def make_batch(arrays: dict[str, np.ndarray], entries: Sequence[dict], steps: int) -> Batch:
     longest = max(e["length"] for e in entries)
     rows = longest - 1
@@ -117,9 +132,8 @@ def make_batch(arrays: dict[str, np.ndarray], entries: Sequence[dict], steps: in
         taps[j, : n - 1] = from_fp16(
             arrays["taps"][s : s + n - 1], arrays["taps_exp"][s : s + n - 1]
         )
-    lengths = np.array([e["length"] for e in entries], np.int64)
-    prompts = np.array([e["prompt_length"] for e in entries], np.int64)
-    return Batch(tokens, final, argmax, taps, lengths, prompts)
+    shape = BatchLengths.of(entries)
+    return Batch(tokens, final, argmax, taps, shape.lengths, shape.prompt_lengths)
 
 
 def epoch_batches(entries: Sequence[dict], batch: int, seed: int, epoch: int) -> list[list[int]]:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from woodcock.train.data import Batch, eval_batches, make_batch
+from woodcock.train.distributed import Group, zero_gradients
 from woodcock.train.eagle3_model import build_model, build_spec, ttt_states
 from woodcock.train.optimization import draft_head, make_optimizer
 from woodcock.train.options import TrainOptions, TrainReport
@@ -107,11 +108,16 @@ class Agreement:
 
 class Eagle3Trainer:
     def __init__(
-        self, model, head_target_ids: np.ndarray, head_matrix: np.ndarray, opts: TrainOptions
+        self,
+        model,
+        head_target_ids: np.ndarray,
+        head_matrix: np.ndarray,
+        opts: TrainOptions,
+        group: Group,
     ):
         import mlx.nn as nn
 
-        self.model, self.opts = model, opts
+        self.model, self.opts, self.group = model, opts, group
         self.steps = opts.ttt_steps
         self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
         self.weights = [opts.step_weight**k for k in range(self.steps)]
@@ -154,24 +160,27 @@ class Eagle3Trainer:
             selections=selections,
             valid=valid,
             shape=(batch_size, rows),
+            counts=loss_mask.reshape(self.steps, -1).sum(axis=1),
         )
 
-    def _loss(self, model, tokens, taps, target, selections):
+    def _loss(self, model, inputs: StepInputs, denominators):
+        """denominators [K]: step k's loss is a mean over this many rows (at least 1)."""
         import mlx.core as mx
 
-        states = ttt_states(model, tokens, taps, self.steps)
+        states = ttt_states(model, inputs.tokens, inputs.taps, self.steps)
         total = mx.array(0.0)
         per_step, drafts = [], []
         for k, state in enumerate(states):
-            if selections[k] is None:
+            if inputs.selections[k] is None:
                 per_step.append(mx.array(0.0))
                 drafts.append(None)
                 continue
-            flat, where, weight = selections[k]
+            flat, where, weight = inputs.selections[k]
             chosen = mx.take(state.reshape(-1, state.shape[-1]), flat, axis=0)
             logits = model.lm_head(chosen)  # [n, Vd]
-            ce = mx.logsumexp(logits, axis=-1) - (mx.take(target, where, axis=0) * logits).sum(-1)
-            loss = (ce * weight).sum() / mx.maximum(weight.sum(), 1.0)
+            chosen_target = mx.take(inputs.target, where, axis=0)
+            ce = mx.logsumexp(logits, axis=-1) - (chosen_target * logits).sum(-1)
+            loss = (ce * weight).sum() / denominators[k]
             total = total + self.weights[k] * loss
             per_step.append(loss)
             drafts.append(mx.argmax(logits, axis=-1))
@@ -187,20 +196,36 @@ class Eagle3Trainer:
             out.append(full.reshape(inputs.shape))
         return out
 
-    def train_step(self, batch: Batch) -> dict[str, Any]:
+    def train_step(self, batch: Batch | None) -> dict[str, Any]:
+        """One optimizer step on the batch, whose share on this rank is `batch` (None: empty).
+
+        Step k's loss over the whole batch is L_k = sum_r S_kr / N_k, with S_kr rank r's sum of
+        row losses and N_k = sum_r N_kr the rows with a loss on all ranks. Each rank divides its
+        own sum by N_k (an all_sum of the counts, before the forward pass), so L_k, and its
+        gradient, are the all_sum of the ranks' terms: the single-process step, not a mean of
+        per-rank means."""
         import mlx.core as mx
         import mlx.optimizers as optim
 
-        inputs = self._inputs(batch)
-        (loss, (per_step, drafts)), grads = self._loss_and_grad(
-            self.model, inputs.tokens, inputs.taps, inputs.target, inputs.selections
-        )
+        inputs = None if batch is None else self._inputs(batch)
+        counts = np.zeros(self.steps, np.int64) if inputs is None else inputs.counts
+        denominators = mx.array(np.maximum(self.group.sum(counts), 1).astype(np.float32))
+        if inputs is None:
+            loss, per_step = mx.array(0.0), [mx.array(0.0)] * self.steps
+            drafts, grads = [None] * self.steps, zero_gradients(self.model)
+        else:
+            (loss, (per_step, drafts)), grads = self._loss_and_grad(
+                self.model, inputs, denominators
+            )
+        grads, loss, per_step = self.group.sum_arrays((grads, loss, per_step))
         grads, norm = optim.clip_grad_norm(grads, self.opts.clip)
         self.optimizer.update(self.model, grads)
         ready = [d for d in drafts if d is not None]
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, per_step, ready)
         agreement = Agreement(self.steps)
-        agreement.add(batch, self._drafts(inputs, drafts), inputs.valid)
+        if inputs is not None:
+            agreement.add(batch, self._drafts(inputs, drafts), inputs.valid)
+        self.group.sum_fields(agreement, ("full_hits", "full_tried"))
         return {
             "loss": float(loss.item()),
             "loss_by_step": [float(x.item()) for x in per_step],
@@ -216,13 +241,10 @@ class Eagle3Trainer:
         loss_sum, weight = np.zeros(self.steps), np.zeros(self.steps)
         for batch in batches:
             inputs = self._inputs(batch)
-            _, (per_step, drafts) = self._loss(
-                self.model, inputs.tokens, inputs.taps, inputs.target, inputs.selections
-            )
+            denominators = mx.array(np.maximum(inputs.counts, 1).astype(np.float32))
+            _, (per_step, drafts) = self._loss(self.model, inputs, denominators)
             mx.eval(per_step, [d for d in drafts if d is not None])
-            n = np.array(
-                [0.0 if s is None else float(s[2].sum().item()) for s in inputs.selections]
-            )
+            n = inputs.counts.astype(np.float64)
             loss_sum += np.array([float(x.item()) for x in per_step]) * n
             weight += n
             agreement.add(batch, self._drafts(inputs, drafts), inputs.valid)
@@ -243,6 +265,7 @@ class StepInputs:
     selections: list  # per step: (flat row ids, index into target, loss weight) or None
     valid: np.ndarray  # [K, B, R]
     shape: tuple[int, int]
+    counts: np.ndarray  # [K]: the rows with a loss at each step
 
 
 class Eagle3Run:
@@ -255,12 +278,14 @@ class Eagle3Run:
         self.opts, self.arrays, self.holdout = opts, inputs.arrays, inputs.holdout_entries
         self.spec = build_spec(runner, opts.target, inputs.taps, inputs.draft_vocab, opts.ttt_steps)
         self.model = started_model(inputs, self.spec, build_model)
-        self.trainer = Eagle3Trainer(self.model, inputs.head_ids, runner.head, opts)
+        self.trainer = Eagle3Trainer(self.model, inputs.head_ids, runner.head, opts, inputs.group)
         self.optimizer = self.trainer.optimizer
+        self.group = inputs.group
 
     def train_step(self, entries, step: int) -> tuple[int, dict[str, Any]]:
-        batch = make_batch(self.arrays, entries, self.opts.ttt_steps)
-        return batch.tokens_in, self.trainer.train_step(batch)
+        mine = self.group.shard(entries)
+        batch = make_batch(self.arrays, mine, self.opts.ttt_steps) if mine else None
+        return sum(e["length"] for e in entries), self.trainer.train_step(batch)
 
     def evaluate(self) -> dict[str, Any]:
         return self.trainer.evaluate(eval_batches(self.arrays, self.holdout, self.opts.ttt_steps))

@@ -220,6 +220,7 @@ class TrainReport:
     feature_seconds: float = 0.0
     train_seconds: float = 0.0
     out: Path | None = None
+    wrote: bool = True  # False on the other ranks of a distributed run: rank 0 writes
 
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from woodcock.ir import Drafter, DrafterSpec
+from woodcock.train.distributed import Group
 from woodcock.train.features import TargetRunner
 from woodcock.train.options import TrainOptions, TrainReport
 
@@ -28,6 +29,7 @@ class RunInputs:
     init: Drafter | None  # --init: the drafter to start from
     arrays: dict[str, np.ndarray]  # the feature cache
     holdout_entries: list[dict]  # the feature cache's index entries of the hold-out samples
+    group: Group  # the processes training together (one when not launched with mlx.launch)
 
 
 class TrainingRun(Protocol):
@@ -42,12 +44,13 @@ class TrainingRun(Protocol):
     def __init__(self, inputs: RunInputs) -> None: ...
 
     def train_step(self, entries: Sequence[dict], step: int) -> tuple[int, dict[str, Any]]:
-        """One optimizer step on the batch of these feature-cache entries: (tokens read, the
-        step's log metrics, "loss" among them)."""
+        """One optimizer step on the batch of these feature-cache entries, this rank's share of
+        them on this rank: (the batch's tokens, the step's log metrics over the whole batch,
+        "loss" among them)."""
         ...
 
     def evaluate(self) -> dict[str, Any]:
-        """The hold-out figures, the same samples every time."""
+        """The hold-out figures, the same samples every time (on every rank: all of them)."""
         ...
 
     def record(self, report: TrainReport, initial: dict, last: dict) -> dict[str, Any]:

@@ -19,6 +19,11 @@ same answers, feature cache, batches, optimiser and checkpoints:
   both runs share the distill directory (the split is a function of the sample ids).
 * Hold-out: samples whose sha256(id) falls in the lowest --holdout share are never trained on;
   each recipe says what it measures on them.
+* Several processes (`mlx.launch`, `woodcock.train.distributed`): each takes its share of every
+  batch, the step's losses and gradients are summed over them, and the run is the one process
+  run, up to the order of floating-point sums. Each evaluates the whole hold-out (the same
+  weights give the same figures; the others would wait for rank 0 anyway); rank 0 alone writes
+  checkpoints, the log and the drafter, and every rank resumes from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from woodcock.train.data import (
     load_samples,
 )
 from woodcock.train.distill import META
+from woodcock.train.distributed import Group
 from woodcock.train.eagle3_trainer import Eagle3Run
 from woodcock.train.features import FEATURES_VERSION, FeatureCache, TargetRunner, target_fingerprint
 from woodcock.train.options import Progress, TrainOptions, TrainReport
@@ -74,10 +80,13 @@ LOG = "log.jsonl"  # in the checkpoint directory
 
 def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     opts.check()
-    ckpt = _claim_paths(opts)
+    group = Group()
+    if not group.writes:
+        progress = None  # one display: rank 0's
+    ckpt = _claim_paths(opts, group.writes)
     if opts.target is None:
         opts = dataclasses.replace(opts, target=resolve_target(None))
-    report = TrainReport()
+    report = TrainReport(wrote=group.writes)
     data = _load_data(opts)
 
     # the target is loaded even when every feature is cached: its embedding and head are needed
@@ -85,27 +94,39 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     num_layers = target_from_config(opts.target).num_hidden_layers
     init, init_record = load_init(opts) if opts.init is not None else (None, None)
     taps = _taps(opts, init, num_layers)
-    runner, cache = _target_features(opts, taps, data, progress)
+    runner, cache = _target_features(opts, taps, data, progress, group)
     report.feature_seconds = time.perf_counter() - started
 
     vocab = _draft_vocabulary(opts, runner.vocab_size, init, data)
     kind: type[TrainingRun] = BlockRun if opts.is_block else Eagle3Run
     holdout_entries = [cache.index[s.id] for s in data.holdout]
     inputs = RunInputs(
-        opts, runner, taps, vocab.head_ids, vocab.size, init, cache.arrays(), holdout_entries
+        opts,
+        runner,
+        taps,
+        vocab.head_ids,
+        vocab.size,
+        init,
+        cache.arrays(),
+        holdout_entries,
+        group,
     )
     run = kind(inputs)
     runner.model = None  # the target's weights are no longer needed: free them
 
-    state, start_step = _start_or_resume(opts, run, data, ckpt)
+    state, start_step = _start_or_resume(opts, run, data, ckpt, group.writes)
     report.resumed_from = start_step
     plan = BatchPlan([cache.index[s.id] for s in data.train], opts.batch, opts.seed)
-    last = _train_steps(opts, run, plan, state, start_step, report, progress)
+    last = _train_steps(opts, run, plan, state, start_step, report, progress, group.writes)
     if last is None or opts.finish:  # resumed from the final checkpoint, or stopped early
         last = run.evaluate()
     holdout_record = run.record(report, state["initial"], last)
 
-    _write_drafter(opts, run, vocab, data, state, report, holdout_record, init_record)
+    if group.writes:
+        _write_drafter(
+            opts, run, vocab, data, state, report, holdout_record, init_record, group.size
+        )
+    group.barrier()  # every rank returns once the drafter is written
     report.out = Path(opts.out)
     return report
 
@@ -128,9 +149,9 @@ class DraftVocabulary:
     info: dict[str, Any]  # what the counts are, for the drafter's VocabCounts
 
 
-def _claim_paths(opts: TrainOptions) -> Path:
+def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
     """The checkpoint directory, once OUT and it may be used as asked (--force clears an
-    earlier run's checkpoints)."""
+    earlier run's checkpoints: the rank that `writes` does)."""
     out = Path(opts.out)
     if out.exists() and not opts.force:
         raise DrafterError(f"{out}: already exists; pass --force to replace it")
@@ -140,7 +161,8 @@ def _claim_paths(opts: TrainOptions) -> Path:
             raise DrafterError(
                 f"{ckpt}: holds a checkpoint; pass --resume to continue it or --force to start over"
             )
-        shutil.rmtree(ckpt)
+        if writes:
+            shutil.rmtree(ckpt)
     if opts.resume and not (ckpt / "latest.json").exists():
         raise DrafterError(f"{ckpt}: no checkpoint to resume from")
     return ckpt
@@ -172,9 +194,17 @@ def _taps(opts: TrainOptions, init: Drafter | None, num_layers: int) -> tuple[in
 
 
 def _target_features(
-    opts: TrainOptions, taps: tuple[int, ...], data: TrainingData, progress: Progress | None
+    opts: TrainOptions,
+    taps: tuple[int, ...],
+    data: TrainingData,
+    progress: Progress | None,
+    group: Group,
 ) -> tuple[TargetRunner, FeatureCache]:
-    """The loaded target and the cache of its features over every sample, built where missing."""
+    """The loaded target and the cache of its features over every sample, built where missing.
+
+    The ranks of a distributed run take turns, in rank order, to open the cache and compute what
+    it lacks (opening it writes too): on one machine rank 0 computes it all and the others find
+    it complete; a rank on another machine, with a data directory of its own, computes its copy."""
     runner = TargetRunner(opts.target, taps)
     key = {
         "version": FEATURES_VERSION,
@@ -183,8 +213,11 @@ def _target_features(
         "max_len": opts.max_len,
     }
     cache = FeatureCache(Path(opts.data), key, len(taps) * runner.hidden_size, runner.hidden_size)
-    cache.open()
-    cache.build(data.samples, runner, progress=progress)
+    for turn in range(group.size):
+        if turn == group.rank:
+            cache.open()
+            cache.build(data.samples, runner, progress=progress)
+        group.barrier()
     return runner, cache
 
 
@@ -216,10 +249,11 @@ def _draft_vocabulary(
 
 
 def _start_or_resume(
-    opts: TrainOptions, run: TrainingRun, data: TrainingData, ckpt: Path
+    opts: TrainOptions, run: TrainingRun, data: TrainingData, ckpt: Path, writes: bool
 ) -> tuple[dict[str, Any], int]:
     """(the state every checkpoint saves, the step the run continues after): the checkpoint's,
-    once its answers and recipe are this run's; else a new log and the evaluation at step 0."""
+    once its answers and recipe are this run's; else a new log (the rank that `writes` makes
+    it) and the evaluation at step 0."""
     facts = [(s.id, len(s.tokens), s.prompt_length) for s in data.samples]
     state: dict[str, Any] = {
         "recipe": opts.recipe(),
@@ -227,13 +261,15 @@ def _start_or_resume(
     }
     log_path = ckpt / LOG
     if not opts.resume:
-        ckpt.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("", encoding="utf-8")
+        if writes:
+            ckpt.mkdir(parents=True, exist_ok=True)
+            log_path.write_text("", encoding="utf-8")
         initial = run.evaluate()
         state["initial"] = initial
         state["train_seconds"], state["train_tokens"] = 0.0, 0
         state["last_eval"] = None
-        append_log(log_path, {"step": 0, "eval": initial})
+        if writes:
+            append_log(log_path, {"step": 0, "eval": initial})
         return state, 0
     loaded = checkpoint_state(ckpt)
     if loaded.get("data_sha256") != state["data_sha256"]:
@@ -258,7 +294,8 @@ def _start_or_resume(
     state["train_seconds"] = loaded.get("train_seconds", 0.0)
     state["train_tokens"] = loaded.get("train_tokens", 0)
     state["last_eval"] = loaded.get("last_eval")
-    trim_log(log_path, start_step)
+    if writes:
+        trim_log(log_path, start_step)
     return state, start_step
 
 
@@ -270,9 +307,11 @@ def _train_steps(
     start_step: int,
     report: TrainReport,
     progress: Progress | None,
+    writes: bool,
 ) -> dict[str, Any] | None:
-    """The steps after `start_step` up to --steps (none with --finish), logged, evaluated and
-    checkpointed as asked; returns the last evaluation (None: none yet)."""
+    """The steps after `start_step` up to --steps (none with --finish), evaluated as asked, and
+    logged and checkpointed by the rank that `writes`; returns the last evaluation (None: none
+    yet)."""
     ckpt = opts.checkpoint_dir()
     run_tokens, run_seconds = 0, 0.0
     last = state.get("last_eval")
@@ -297,9 +336,10 @@ def _train_steps(
             last = run.evaluate()
             state["last_eval"] = last
             entry["eval"] = last
-        append_log(ckpt / LOG, entry)
-        if step % opts.checkpoint_every == 0 or step == opts.steps:
-            save_checkpoint(ckpt, step, run.model, run.optimizer, state)
+        if writes:
+            append_log(ckpt / LOG, entry)
+            if step % opts.checkpoint_every == 0 or step == opts.steps:
+                save_checkpoint(ckpt, step, run.model, run.optimizer, state)
         if progress:
             progress("training", step, opts.steps)
     report.steps = final_step
@@ -317,6 +357,7 @@ def _write_drafter(
     report: TrainReport,
     holdout_record: dict[str, Any],
     init_record: dict[str, Any] | None,
+    processes: int,
 ) -> None:
     """The trained drafter in the woodcock format, with how it was made in its provenance."""
     import mlx.core as mx
@@ -356,6 +397,7 @@ def _write_drafter(
             "seconds": round(state["train_seconds"], 1),
             "final_loss": report.losses[-1] if report.losses else None,
             "log": str((opts.checkpoint_dir() / LOG).resolve()),
+            **({"processes": processes} if processes > 1 else {}),
         },
         "machine": {"mlx_device": str(mx.default_device()), "python": sys.version.split()[0]},
     }
