@@ -63,14 +63,18 @@ def chat_logprobs(entries) -> dict:
 def completion_logprobs(entries, text_offset: int = 0) -> dict:
     """The completions' legacy `logprobs`: parallel lists, the alternatives as {text: logprob}
     and each token's offset in the answer's text (from `text_offset`)."""
-    offsets = []
+    offsets, tops = [], []
     for e in entries:
         offsets.append(text_offset)
         text_offset += len(e.text)
+        top: dict[str, float] = {}
+        for _, text, value in e.top:
+            top.setdefault(text, value)  # texts that agree (partial characters): the likelier
+        tops.append(top)
     return {
         "tokens": [e.text for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text: value for _, text, value in e.top} for e in entries],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
