@@ -211,17 +211,18 @@ def test_without_processors_the_log_probabilities_are_the_targets(model):
     assert np.allclose(np.exp(logprobs).sum(axis=-1), 1, atol=1e-4)
 
 
-def processed_marginals(model, prompt, sampling, processors):
-    """[P(first token), P(second token)] of plain sampling with the processors."""
-
-    def probabilities(prefixes):
+def processed_marginals(model, prompt, sampling, processors, tokens=3):
+    """[P(token i) for i = 1..tokens] of plain sampling with the processors."""
+    prefixes, weights, marginals = [list(prompt)], np.ones(1), []
+    while True:
         logits = model(mx.array(prefixes))[:, -1]
         rows = [process_logits(processors, p, [], logits[i : i + 1]) for i, p in enumerate(prefixes)]
-        return np.array(sampling.probabilities(mx.concatenate(rows)))
-
-    first = probabilities([list(prompt)])[0]
-    second = first @ probabilities([list(prompt) + [t] for t in range(len(first))])
-    return first, second
+        joint = weights[:, None] * np.array(sampling.probabilities(mx.concatenate(rows)))
+        marginals.append(joint.sum(axis=0))
+        if len(marginals) == tokens:
+            return marginals
+        prefixes = [p + [t] for p in prefixes for t in range(joint.shape[1])]
+        weights = joint.reshape(-1)
 
 
 SAMPLED = [
@@ -230,39 +231,66 @@ SAMPLED = [
 ]  # fmt: skip
 
 
+class UnprocessedTargetDrafter:
+    """Drafts sampled from the target's own distribution without the processors: close to the
+    processed one, so drafts are often accepted and a verified row's history includes them."""
+
+    def __init__(self, model, prompt):
+        self.model, self.first = model, list(prompt[:1])
+        self.head_target_ids = mx.arange(model.args.vocab_size)
+        self.num_drafts = self.last_confidence = None
+
+    def reset(self):
+        self.tokens = list(self.first)
+
+    def add_context(self, tokens, taps):
+        self.tokens += tokens.tolist()  # the token after each position
+
+    def propose(self, k, sampler):
+        drafted, rows = [], []
+        for _ in range(k):
+            row = self.model(mx.array([self.tokens + drafted]))[0, -1]
+            drafted.append(sampler(row).item())
+            rows.append(row)
+        return mx.array(drafted, mx.int32), mx.stack(rows)
+
+
+@pytest.mark.parametrize("drafter_kind", ["markov", "unprocessed-target"])
 @pytest.mark.parametrize("sampling, settings", [s[1:] for s in SAMPLED], ids=[s[0] for s in SAMPLED])
-def test_sampling_follows_the_processed_distribution(sampling, settings):
-    """A drafter far from the target (drafts are often rejected, the residual is sampled) and
-    prompt lookup (a repetitive prompt: copies are judged too); the second token's distribution
-    depends on the first through the penalties."""
+def test_sampling_follows_the_processed_distribution(sampling, settings, drafter_kind):
+    """A drafter far from the target (drafts are often rejected, the residual is sampled) or
+    close to it (long accepted runs), and prompt lookup (a repetitive prompt: copies are judged
+    too); the second token's distribution depends on the first through the penalties."""
     model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
     target = MlxTarget(model, [2])
     prompt = [4, 7, 4, 7]
     processors = make_logits_processors(**settings)
-    first_p, second_p = processed_marginals(model, prompt, sampling, processors)
-    first, second = np.zeros(12), np.zeros(12)
+    expected = processed_marginals(model, prompt, sampling, processors)
+    counts = np.zeros((3, 12))
     for seed in range(1500):
         mx.random.seed(seed)
-        drafter = MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11])
+        if drafter_kind == "markov":
+            drafter = MarkovDrafter(12, seed=11, head_ids=[0, 2, 3, 5, 7, 8, 11])
+        else:
+            drafter = UnprocessedTargetDrafter(model, prompt)
         steps = speculative_generate_step(
             prompt, target, drafter, policy=FixedPolicy(3), sampling=sampling,
             lookup=PromptLookup(12) if seed % 2 else None, logits_processors=processors,
         )  # fmt: skip
-        (a, _), (b, _) = next(steps), next(steps)
-        first[a] += 1
-        second[b] += 1
-    assert not chi_square_exceeds(first, first_p)
-    assert not chi_square_exceeds(second, second_p)
+        for position in range(3):
+            counts[position, next(steps)[0]] += 1
+    for position in range(3):
+        assert not chi_square_exceeds(counts[position], expected[position]), position
     # the same test catches sampling from the unprocessed target
-    _, unprocessed = processed_marginals(model, prompt, sampling, [])
-    assert chi_square_exceeds(second, unprocessed)
+    unprocessed = processed_marginals(model, prompt, sampling, [])
+    assert chi_square_exceeds(counts[1], unprocessed[1])
 
 
 def test_mlx_lm_samples_the_processed_distribution_we_compute():
     model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
     sampling, settings = SAMPLED[0][1:]
     prompt = [4, 7, 4, 7]
-    first_p, _ = processed_marginals(model, prompt, sampling, mlx_lm_processors(**settings))
+    first_p = processed_marginals(model, prompt, sampling, mlx_lm_processors(**settings), 1)[0]
     sampler = make_sampler(sampling.temperature)
     counts = np.zeros(12)
     for seed in range(1000):
