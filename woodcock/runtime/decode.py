@@ -210,13 +210,9 @@ def speculative_generate_step(
         emitted = proposal.tokens[:accepted].tolist() + [bonus.item()]
         if history is not None:
             history.extend(emitted)
-        if logprobs:
-            rows = log_softmax(logits)  # [k+1, V]: row i is the position of emitted token i
-            for i, token in enumerate(emitted):
-                yield token, i < accepted, rows[i]
-        else:
-            for i, token in enumerate(emitted):
-                yield token, i < accepted
+        rows = log_softmax(logits) if logprobs else None  # [k+1, V]: emitted token i's row i
+        for i, token in enumerate(emitted):
+            yield (token, i < accepted, rows[i]) if logprobs else (token, i < accepted)
         anchor = bonus
 
 
