@@ -166,9 +166,9 @@ def chat(server, messages, max_tokens=24, **fields):
     )
 
 
-def streamed_chat(server, messages, max_tokens=24):
+def streamed_chat(server, messages, max_tokens=24, **fields):
     """(text, finish reason, usage dict) of a streamed chat answer."""
-    chunks = chat(server, messages, max_tokens, stream=True, stream_options={"include_usage": True})
+    chunks = chat(server, messages, max_tokens, stream=True, stream_options={"include_usage": True}, **fields)
     text, finish, usage = "", None, None
     for chunk in chunks:
         if chunk.usage is not None:
@@ -368,6 +368,134 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers(plain_server, se
     assert plain_server.metric("queue_rejections") == len(rejected)
 
 
+# -- logprobs, logit bias and penalties ---------------------------------------------------------
+
+PENALTIES = {  # request fields, as mlx-lm's make_logits_processors takes them
+    "presence_penalty": 1.5,
+    "frequency_penalty": 0.7,
+    "repetition_penalty": 1.4,
+    "logit_bias": {"17": 5.0, "40": -100.0},
+}
+
+
+def mlx_lm_answer(session, ids, max_tokens, **fields):
+    """mlx-lm's greedy decoding with the fields' logits processors: (text, the target's
+    log-probabilities at each token [n, V] as numpy)."""
+    import numpy as np
+    from mlx_lm.sample_utils import make_logits_processors
+
+    bias = fields.get("logit_bias")
+    processors = make_logits_processors(
+        {int(k): v for k, v in bias.items()} if bias else None,
+        fields.get("repetition_penalty"),
+        presence_penalty=fields.get("presence_penalty"),
+        frequency_penalty=fields.get("frequency_penalty"),
+    )
+    detokenizer = session.tokenizer.detokenizer
+    detokenizer.reset()
+    rows = []
+    steps = generate_step(mx.array(ids), session.model, max_tokens=max_tokens, logits_processors=processors)
+    for token, logprobs in steps:
+        if token in session.tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+        rows.append(np.array(logprobs))
+    detokenizer.finalize()
+    return detokenizer.text, np.stack(rows)
+
+
+@pytest.mark.parametrize("field", list(PENALTIES) + ["all"])
+def test_penalties_and_bias_answer_as_mlx_lm_decodes_with_them(server, plain_server, session, field):
+    fields = PENALTIES if field == "all" else {field: PENALTIES[field]}
+    messages = [{"role": "user", "content": "One, two"}]
+    ids = encode_messages(session.tokenizer, messages)
+    expected, _ = mlx_lm_answer(session, ids, 32, **fields)
+    assert expected != mlx_lm_text(session, ids, 32)  # the field changes the answer
+    for running in (server, plain_server):
+        answer = chat(running, messages, 32, extra_body=fields)
+        assert answer.choices[0].message.content == expected, running
+    text, _, _ = streamed_chat(server, messages, 32, extra_body=fields)
+    assert text == expected
+    plain_ids = encode_prompt(session.tokenizer, "Paris is", chat=False)
+    expected, _ = mlx_lm_answer(session, plain_ids, 24, **fields)
+    client = server.client()
+    completion = client.completions.create(model=server.model, prompt="Paris is", max_tokens=24, temperature=0, extra_body=fields)
+    assert completion.choices[0].text == expected
+
+
+def test_chat_logprobs_are_the_targets_streamed_or_not(server, plain_server, session):
+    import numpy as np
+
+    messages = [{"role": "user", "content": "The quick brown"}]
+    ids = encode_messages(session.tokenizer, messages)
+    fields = {"presence_penalty": 0.8}
+    expected, rows = mlx_lm_answer(session, ids, 20, **fields)
+    for running in (server, plain_server):
+        answer = chat(running, messages, 20, logprobs=True, top_logprobs=3, extra_body=fields)
+        choice = answer.choices[0]
+        assert choice.message.content == expected
+        content = choice.logprobs.content
+        assert len(content) == len(rows)  # tokens decoded alone: not always the text's pieces
+        for entry, row in zip(content, rows, strict=True):
+            assert entry.bytes == list(entry.token.encode())
+            assert len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+            assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+            assert np.allclose([t.logprob for t in entry.top_logprobs], np.sort(row)[::-1][:3], atol=2e-4)
+            assert abs(entry.logprob - row.max()) < 2e-4
+    plain = chat(server, messages, 20).choices[0]
+    assert plain.logprobs is None
+    without_top = chat(server, messages, 20, logprobs=True, extra_body=fields).choices[0].logprobs.content
+    assert [t.top_logprobs for t in without_top] == [[]] * len(rows)
+    # values to within the rounding of different verification shapes (the prompt cache)
+    assert np.allclose([t.logprob for t in without_top], rows.max(axis=-1), atol=2e-4)
+    chunks = chat(server, messages, 20, stream=True, logprobs=True, top_logprobs=3, extra_body=fields)
+    streamed = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert np.allclose([t.logprob for t in streamed], rows.max(axis=-1), atol=2e-4)
+
+
+def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(server, session):
+    import numpy as np
+
+    ids = encode_prompt(session.tokenizer, "Paris is", chat=False)
+    expected, rows = mlx_lm_answer(session, ids, 16)
+    client = server.client()
+    answer = client.completions.create(model=server.model, prompt="Paris is", max_tokens=16, temperature=0, logprobs=2)
+    logprobs = answer.choices[0].logprobs
+    assert answer.choices[0].text == expected and len(logprobs.tokens) == len(rows)
+    assert np.allclose(logprobs.token_logprobs, rows.max(axis=-1), atol=2e-4)
+    assert all(len(top) <= 2 and top[token] == value for top, token, value in zip(logprobs.top_logprobs, logprobs.tokens, logprobs.token_logprobs, strict=True))
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    chunks = client.completions.create(model=server.model, prompt="Paris is", max_tokens=16, logprobs=0, stream=True)
+    tokens, values, offsets = [], [], []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (tokens, offsets) == (logprobs.tokens, logprobs.text_offset)
+    assert np.allclose(values, rows.max(axis=-1), atol=2e-4)
+    assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=4).choices[0].logprobs is None
+
+
+def test_plain_decoding_keeps_the_penalties_history_over_the_prompt_cache(session):
+    """The engine without a drafter: a prompt whose start is cached still has every prompt token
+    in the penalties' window, as when nothing was cached."""
+    from woodcock.serve.engine import Engine
+    from woodcock.serve.request import GenerationRequest
+
+    engine = Engine(session, None)
+    fields = {"repetition_penalty": 1.6, "presence_penalty": 1.0}
+    first = encode_prompt(session.tokenizer, "One, two, one, two", chat=False)
+    engine.run(GenerationRequest("completions", first, 12, **fields))
+    prompt = first + engine.cached_tokens[len(first) :] + [5]
+    expected, _ = mlx_lm_answer(session, prompt, 12, **fields)
+    assert engine.reusable(prompt) > len(first)
+    result = engine.run(GenerationRequest("completions", prompt, 12, **fields))
+    assert result.stats.cached_tokens > len(first) and result.text == expected
+
+
 USER = [{"role": "user", "content": "Hi"}]
 BAD_REQUESTS = [
     # (name, path, body, status, param, part of the message)
@@ -396,7 +524,18 @@ BAD_REQUESTS = [
     ("stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected a string or an array"),
     ("stream a string", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "expected a boolean"),
     ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
-    ("logprobs", "/v1/chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "only allowed with logprobs: true"),
+    ("top_logprobs above 20", "/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20]"),
+    ("logprobs a string", "/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, 400, "logprobs", "expected a boolean"),
+    ("completion logprobs above 5", "/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs", "in [0, 5]"),
+    ("completion logprobs a boolean", "/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", "expected an integer"),
+    ("presence_penalty above 2", "/v1/chat/completions", {"messages": USER, "presence_penalty": 2.5}, 400, "presence_penalty", "in [-2, 2]"),
+    ("frequency_penalty below -2", "/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", "in [-2, 2]"),
+    ("negative repetition_penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": -1}, 400, "repetition_penalty", ">= 0"),
+    ("logit_bias a list", "/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "expected an object"),
+    ("logit_bias key not a token", "/v1/completions", {"prompt": "x", "logit_bias": {"fox": 1}}, 400, "logit_bias", "key 'fox'"),
+    ("logit_bias key past the vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "[0, 320)"),
+    ("logit_bias value above 100", "/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 101}}, 400, "logit_bias[5]", "in [-100, 100]"),
     ("tools", "/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     ("unknown model", "/v1/chat/completions", {"messages": USER, "model": "gpt-4o"}, 404, "model", "'gpt-4o' does not exist"),
     ("model a number", "/v1/completions", {"prompt": "x", "model": 7}, 400, "model", "expected a string"),
@@ -450,6 +589,7 @@ def test_the_server_keeps_serving_after_bad_requests(server):
 REQUEST_FIELDS = [
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "min_p", "stop", "seed", "n", "stream", "stream_options", "logprobs",
+    "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
 ]
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),

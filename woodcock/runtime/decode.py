@@ -17,7 +17,13 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.runtime.ngram import PromptLookup
-from woodcock.runtime.sampling import Sampling, accept_drafts
+from woodcock.runtime.sampling import (
+    LogitsProcessor,
+    Sampling,
+    accept_drafts,
+    log_softmax,
+    process_logits,
+)
 from woodcock.runtime.target import MlxTarget
 
 PREFILL_CHUNK = 512
@@ -148,7 +154,9 @@ def speculative_generate_step(
     lookup: PromptLookup | None = None,
     cached: int = 0,
     cancelled: Callable[[], bool] | None = None,
-) -> Iterator[tuple[int, bool]]:
+    logits_processors: Sequence[LogitsProcessor] = (),
+    logprobs: bool = False,
+) -> Iterator[tuple[int, bool]] | Iterator[tuple[int, bool, mx.array]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. The policy
     (woodcock.runtime.policy) says how far to draft; lookup: rounds whose recent tokens repeat
     copy from the context instead, as far as the policy's `copy_length` says, and drafts that
@@ -160,30 +168,52 @@ def speculative_generate_step(
     are kept and only the rest of the prompt is prefilled (0: start from empty caches; a
     rotating cache that cannot drop the rest falls back to 0). cancelled: asked between prefill
     chunks and before every round; when it returns True the stream ends (cut short in the
-    prefill, it leaves both caches empty)."""
+    prefill, it leaves both caches empty).
+
+    logits_processors: mlx-lm's `processor(tokens, logits)`, applied to the target's logits at
+    every position with the tokens before it (the prompt and what was emitted, then the drafts
+    before the row in a verification), so drafts are judged against the distribution plain
+    decoding with them samples. logprobs: yield (token, from_draft, the target's log-probabilities
+    at the token's position [V], as `mlx_lm.generate.generate_step` yields them)."""
     if not 0 <= cached < len(prompt) or cached > target.offset:
         raise ValueError(
             f"cached = {cached}: expected fewer than the prompt's {len(prompt)} tokens and at"
             f" most the {target.offset} in the target's cache"
         )
     stats = stats if stats is not None else Stats()
-    anchor = _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled)
-    if anchor is None:
+    # the tokens before the next position, for the processors
+    history = list(prompt) if logits_processors else None
+    process = None
+    if logits_processors:
+
+        def process(proposed: list[int], logits: mx.array) -> mx.array:
+            return process_logits(logits_processors, history, proposed, logits)
+
+    started = _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled, process)
+    if started is None:
         return
-    yield anchor.item(), False
+    anchor, logits = started
+    if history is not None:
+        history.append(anchor.item())
+    yield (anchor.item(), False, log_softmax(logits[0])) if logprobs else (anchor.item(), False)
     while not (cancelled is not None and cancelled()):
         context = target.offset + 1
         start = time.perf_counter()
         proposal = _propose(context, policy, drafter, lookup, sampling)  # tokens [k]
         drafted_at = time.perf_counter()
-        accepted, bonus, taps = _verify(target, drafter, anchor, proposal, sampling)
+        accepted, bonus, taps, logits = _verify(
+            target, drafter, anchor, proposal, sampling, process
+        )
         _commit(target, drafter, lookup, proposal, accepted, bonus, taps)
         proposal.observed_by(policy, accepted)
         stats.record(proposal, accepted, drafted_at - start, time.perf_counter() - drafted_at)
-        for token in proposal.tokens[:accepted].tolist():
-            yield token, True
+        emitted = proposal.tokens[:accepted].tolist() + [bonus.item()]
+        if history is not None:
+            history.extend(emitted)
+        rows = log_softmax(logits) if logprobs else None  # [k+1, V]: emitted token i's row i
+        for i, token in enumerate(emitted):
+            yield (token, i < accepted, rows[i]) if logprobs else (token, i < accepted)
         anchor = bonus
-        yield bonus.item(), False
 
 
 @dataclass
@@ -211,9 +241,9 @@ class Proposal:
             policy.observe_extension(len(self.copied), accepted - d)
 
 
-def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled):
-    """Prefill what the caches do not hold yet; the first token (the anchor), or None when
-    cancelled during the prefill."""
+def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled, process):
+    """Prefill what the caches do not hold yet; the first token (the anchor) and the logits it
+    was sampled from [1, V], or None when cancelled during the prefill."""
     cached = cached if cached and target.truncate(cached) else 0
     parts = [drafter] if lookup is None else [drafter, lookup]
     for part in parts:
@@ -230,7 +260,10 @@ def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled):
         drafter.reset()
         return None
     logits, taps = prefilled
-    anchor = sampling.sample(logits)
+    logits = logits[None]
+    if process is not None:
+        logits = process([], logits)
+    anchor = sampling.sample(logits[0])
     context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
     drafter.add_context(context_tokens, taps)
     mx.eval(anchor)
@@ -238,7 +271,7 @@ def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled):
         lookup.add_context(context_tokens)
     stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
     stats.cached_tokens = cached
-    return anchor
+    return anchor, logits
 
 
 def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
@@ -264,12 +297,15 @@ def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
     return Proposal(drafts, draft_logits, copied, copy_round=False)
 
 
-def _verify(target, drafter, anchor, proposal: Proposal, sampling):
+def _verify(target, drafter, anchor, proposal: Proposal, sampling, process):
     """One target forward over [anchor, proposal]: (accepted drafts m, the token after them,
-    the verified rows' taps [k+1, A*Ht])."""
+    the verified rows' taps [k+1, A*Ht], the logits they were judged by [k+1, V]). process: the
+    logits processors over the rows, or None."""
     tokens = proposal.tokens
     k = tokens.shape[0]
     logits, taps = target.forward(mx.concatenate([anchor[None].astype(mx.int32), tokens]))
+    if process is not None:
+        logits = process(tokens.tolist(), logits)
     if k == 0:  # logits [k+1, V]
         m, bonus = mx.array(0), sampling.sample(logits[0])
     elif sampling.greedy:
@@ -285,7 +321,7 @@ def _verify(target, drafter, anchor, proposal: Proposal, sampling):
         q = mx.concatenate([q, copies.astype(q.dtype)])  # [k, V]
         m, bonus = accept_drafts(tokens, q, sampling.probabilities(logits))
     mx.eval(m, bonus, taps)
-    return m.item(), bonus, taps
+    return m.item(), bonus, taps, logits
 
 
 def _commit(target, drafter, lookup, proposal: Proposal, accepted: int, bonus, taps) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from woodcock.runtime.decode import Stats, speculative_generate_step
-from woodcock.runtime.sampling import Sampling
+from woodcock.runtime.sampling import LogitsProcessor, Sampling
 
 
 def encode_prompt(
@@ -32,6 +32,40 @@ def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
 
 
 @dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target and the most likely tokens at its
+    position (text is each token decoded alone)."""
+
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token, text, logprob), most likely first
+
+
+class LoggedText(str):
+    """Streamed text with the log-probabilities of the tokens consumed since the last piece."""
+
+    logprobs: list[TokenLogprob]
+
+    def __new__(cls, text: str, logprobs: list[TokenLogprob]):
+        piece = super().__new__(cls, text)
+        piece.logprobs = logprobs
+        return piece
+
+
+def token_logprob(tokenizer, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
+    """The entry of `token` from the log-probabilities at its position [V], with the `top`
+    most likely tokens."""
+    best: list[tuple[int, str, float]] = []
+    if top:
+        ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda x: -x[1])
+        best = [(i, tokenizer.decode([i]), value) for i, value in ranked]
+    value = logprobs[token].item()
+    return TokenLogprob(token, tokenizer.decode([token]), value, best)
+
+
+@dataclass
 class Generation:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
@@ -42,6 +76,7 @@ class Generation:
     generation_seconds: float = 0.0
     peak_memory_gb: float = 0.0
     stats: Stats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
     @property
     def prompt_tps(self) -> float:
@@ -105,9 +140,11 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     cached: int = 0,
     cancelled: Callable[[], bool] | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
+    logprobs: int | None = None,
 ) -> Generation:
-    """cached, cancelled: as for `speculative_generate_step` (a cancelled generation ends with
-    the text so far)."""
+    """cached, cancelled, logits_processors: as for `speculative_generate_step` (a cancelled
+    generation ends with the text so far). logprobs: as for `timed_text`."""
     stats = Stats()
     steps = speculative_generate_step(
         prompt_ids,
@@ -119,41 +156,70 @@ def generate(
         lookup=session.lookup,
         cached=cached,
         cancelled=cancelled,
+        logits_processors=logits_processors,
+        logprobs=logprobs is not None,
     )
     result = timed_text(
-        (token for token, _ in steps),
+        ((step[0], step[2]) for step in steps) if logprobs is not None else (s[0] for s in steps),
         session.tokenizer,
         prompt_tokens=len(prompt_ids),
         max_tokens=max_tokens,
         stop=stop,
         on_text=on_text,
+        logprobs=logprobs,
     )
     result.stats = stats
     return result
 
 
 def timed_text(
-    tokens: Iterable[int],
+    tokens: Iterable[int] | Iterable[tuple[int, mx.array]],
     tokenizer,
     *,
     prompt_tokens: int,
     max_tokens: int,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
+    logprobs: int | None = None,
 ) -> Generation:
     """`finish_text` over a lazy token stream whose first token comes once the prompt has been
-    processed, with the prompt's and the generation's times and the peak memory."""
+    processed, with the prompt's and the generation's times and the peak memory.
+
+    logprobs: None, or the stream is of (token, the target's log-probabilities at its position
+    [V]) and the result's `logprobs` has each token's entry with the `logprobs` most likely
+    tokens; `on_text` then gets LoggedText pieces carrying the entries consumed since the last
+    piece (a last empty piece carries those no text came with)."""
     mx.reset_peak_memory()
     start = time.perf_counter()
     first_token_at = [0.0]
+    entries: list[TokenLogprob] = []
+    eos = set(tokenizer.eos_token_ids)
 
     def timed():
-        for i, token in enumerate(tokens):
+        for i, item in enumerate(tokens):
             if i == 0:
                 first_token_at[0] = time.perf_counter()
+            if logprobs is None:
+                yield item
+                continue
+            token, row = item
+            if token not in eos:  # the stream ends before an EOS token
+                entries.append(token_logprob(tokenizer, token, row, logprobs))
             yield token
 
-    result = finish_text(timed(), tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text)
+    sent = 0
+
+    def logged(text: str) -> None:
+        nonlocal sent
+        on_text(LoggedText(text, entries[sent:]))
+        sent = len(entries)
+
+    shown = logged if on_text is not None and logprobs is not None else on_text
+    result = finish_text(timed(), tokenizer, max_tokens=max_tokens, stop=stop, on_text=shown)
+    if logprobs is not None:
+        result.logprobs = entries
+        if on_text is not None and sent < len(entries):
+            logged("")
     end = time.perf_counter()
     result.prompt_tokens = prompt_tokens
     if first_token_at[0]:

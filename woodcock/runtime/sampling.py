@@ -7,9 +7,11 @@ here, so a woodcock distribution is exactly the one `mlx_lm.sample_utils.make_sa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from woodcock.errors import DrafterError
@@ -76,3 +78,118 @@ def accept_drafts(drafts: mx.array, q: mx.array, p: mx.array) -> tuple[mx.array,
     chosen = mx.where(chosen.sum() > 0, chosen, p[m])
     token = mx.random.categorical(mx.log(chosen))
     return m, token
+
+
+# mlx-lm's logits processor signature: (tokens so far [n], logits [1, V]) -> logits [1, V]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class LogitBias:
+    """mlx-lm's logit bias: add a fixed value to some tokens' logits, at every position."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.indices = mx.array(list(bias.keys()))
+        self.values = mx.array(list(bias.values()))
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[:, self.indices].add(self.values)
+
+    def rows(self, history: list[int], proposed: list[int], logits: mx.array) -> mx.array:
+        return logits.at[:, self.indices].add(self.values)
+
+
+class HistoryPenalty:
+    """mlx-lm's repetition, presence and frequency penalties (`mlx_lm.sample_utils`): the same
+    arithmetic on the same tokens (the last `context_size` of the history), for one position as
+    mlx-lm calls it or for every row of a verification at once."""
+
+    KINDS = ("repetition", "presence", "frequency")
+
+    def __init__(self, kind: str, penalty: float, context_size: int = 20):
+        if kind not in self.KINDS:
+            raise ValueError(f"penalty kind {kind!r}: expected one of {', '.join(self.KINDS)}")
+        if kind == "repetition" and penalty < 0:
+            raise ValueError(f"penalty must be a non-negative float, got {penalty}")
+        self.kind, self.penalty, self.context_size = kind, penalty, context_size
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if len(tokens) == 0:
+            return logits
+        columns = tokens[-self.context_size :]
+        return self._apply(logits, mx.zeros(columns.shape, mx.int32), columns)
+
+    def rows(self, history: list[int], proposed: list[int], logits: mx.array) -> mx.array:
+        """logits [k+1, V], row i at the position after history + proposed[:i]."""
+        recent = history[-self.context_size :]
+        tokens = np.array(recent + proposed, np.int32)
+        ends = len(recent) + np.arange(len(proposed) + 1)
+        starts = np.maximum(ends - self.context_size, 0)
+        rows = np.repeat(np.arange(len(ends), dtype=np.int32), ends - starts)
+        columns = np.concatenate([tokens[s:e] for s, e in zip(starts, ends, strict=True)])
+        if not len(columns):
+            return logits
+        return self._apply(logits, mx.array(rows), mx.array(columns))
+
+    def _apply(self, logits: mx.array, rows: mx.array, columns: mx.array) -> mx.array:
+        if self.kind == "frequency":
+            return logits.at[rows, columns].subtract(self.penalty)  # once per occurrence
+        seen = mx.zeros(logits.shape, mx.bool_)  # once per token, however often it came
+        seen[rows, columns] = True
+        if self.kind == "repetition":
+            penalised = mx.where(logits < 0, logits * self.penalty, logits / self.penalty)
+        else:
+            penalised = logits - self.penalty
+        return mx.where(seen, penalised, logits)
+
+
+def make_logits_processors(
+    logit_bias: dict[int, float] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    presence_penalty: float | None = None,
+    presence_context_size: int = 20,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int = 20,
+) -> list[LogitsProcessor]:
+    """`mlx_lm.sample_utils.make_logits_processors`, with processors the speculative loop
+    applies to all the verified rows at once (the same order, the same values)."""
+    processors: list[LogitsProcessor] = [LogitBias(logit_bias)] if logit_bias else []
+    for kind, penalty, context_size in (
+        ("repetition", repetition_penalty, repetition_context_size),
+        ("presence", presence_penalty, presence_context_size),
+        ("frequency", frequency_penalty, frequency_context_size),
+    ):
+        if penalty is not None and penalty != 0:
+            processors.append(HistoryPenalty(kind, penalty, context_size))
+    return processors
+
+
+def process_logits(
+    processors: Sequence[LogitsProcessor],
+    history: list[int],
+    proposed: list[int],
+    logits: mx.array,
+) -> mx.array:
+    """logits [k+1, V] of a verification, row i at the position after history + proposed[:i]
+    -> the processed logits: each processor sees the tokens before the row's position, as
+    plain decoding would have given them. Processors with a `rows` method take every row at
+    once; any other `processor(tokens, logits)` is called row by row."""
+    for processor in processors:
+        rows = getattr(processor, "rows", None)
+        if rows is not None:
+            logits = rows(history, proposed, logits)
+            continue
+        logits = mx.concatenate(
+            [
+                processor(mx.array(history + proposed[:i], mx.int32), logits[i : i + 1])
+                for i in range(len(proposed) + 1)
+            ]
+        )
+    return logits
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """The log-probabilities plain decoding reports: the processed logits normalised (before
+    the temperature and the filters, as mlx-lm's `generate_step` returns them) [..., V] fp32."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -76,14 +76,20 @@ class Engine:
         import mlx.core as mx
 
         from woodcock.runtime.generate import generate
-        from woodcock.runtime.sampling import Sampling
+        from woodcock.runtime.sampling import Sampling, make_logits_processors
 
         if request.seed is not None:
             mx.random.seed(request.seed)
         ids, cached = request.prompt_ids, self.reusable(request.prompt_ids)
         self.cached_tokens = []  # until this generation says what the caches hold
+        processors = make_logits_processors(
+            request.logit_bias,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )
         if self.policy is None:
-            result = self._run_plain(request, cached, on_text, cancelled)
+            result = self._run_plain(request, cached, on_text, cancelled, processors)
         else:
             sampling = Sampling(request.temperature, request.top_p, request.top_k, request.min_p)
             result = generate(
@@ -96,15 +102,18 @@ class Engine:
                 on_text=on_text,
                 cached=cached,
                 cancelled=cancelled,
+                logits_processors=processors,
+                logprobs=request.logprobs,
             )
         # the caches hold the first `offset` tokens of the prompt and the stream; the stream
         # may have run past what was kept (a round's drafts after a stop), hence the minimum
         self.cached_tokens = (ids + result.tokens)[: self.session.target.offset]
         return result
 
-    def _run_plain(self, request, cached, on_text, cancelled):
+    def _run_plain(self, request, cached, on_text, cancelled, processors):
         """mlx-lm's own decoding loop on the target's cache: the baseline the drafter is
-        measured against, with the same prompt cache, stop rules and cancellation."""
+        measured against, with the same prompt cache, stop rules, cancellation and logits
+        processors (which see the whole prompt, the cached part too)."""
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
@@ -117,6 +126,14 @@ class Engine:
             cached = 0
             target.reset()
 
+        if cached and processors:
+            prefix = mx.array(ids[:cached])
+
+            def with_cached(processor):
+                return lambda tokens, logits: processor(mx.concatenate([prefix, tokens]), logits)
+
+            processors = [with_cached(p) for p in processors]
+
         def check(processed: int, total: int) -> None:
             if cancelled is not None and cancelled():
                 raise _PrefillCancelled
@@ -128,14 +145,15 @@ class Engine:
             sampler=make_sampler(
                 request.temperature, request.top_p, request.min_p, top_k=request.top_k
             ),
+            logits_processors=processors,
             prompt_cache=target.cache,
             prompt_progress_callback=check,
         )
 
         def tokens():
             try:
-                for token, _ in steps:
-                    yield token
+                for token, logprobs in steps:
+                    yield token if request.logprobs is None else (token, logprobs)
                     if cancelled is not None and cancelled():
                         return
             except _PrefillCancelled:
@@ -148,6 +166,7 @@ class Engine:
             max_tokens=request.max_tokens,
             stop=request.stop,
             on_text=on_text,
+            logprobs=request.logprobs,
         )
         result.stats = Stats(prompt_tokens=len(ids), cached_tokens=cached)
         return result

@@ -1,5 +1,6 @@
-"""OpenAI's response shapes: a whole answer, its streamed chunks as server-sent events, and the
-`usage` object, which adds the speculative loop's statistics to OpenAI's token counts."""
+"""OpenAI's response shapes: a whole answer, its streamed chunks as server-sent events, the
+`usage` object, which adds the speculative loop's statistics to OpenAI's token counts, and the
+log-probabilities in chat's shape and in the completions' legacy one."""
 
 from __future__ import annotations
 
@@ -41,6 +42,43 @@ def usage(result) -> dict:
     }
 
 
+def chat_logprobs(entries) -> dict:
+    """Chat's `logprobs`: each token's text, log-probability, UTF-8 bytes and most likely
+    alternatives (generate.TokenLogprob entries)."""
+
+    def token(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **token(e.text, e.logprob),
+                "top_logprobs": [token(text, value) for _, text, value in e.top],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries, text_offset: int = 0) -> dict:
+    """The completions' legacy `logprobs`: parallel lists, the alternatives as {text: logprob}
+    and each token's offset in the answer's text (from `text_offset`)."""
+    offsets, tops = [], []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.text)
+        top: dict[str, float] = {}
+        for _, text, value in e.top:
+            top.setdefault(text, value)  # texts that agree (partial characters): the likelier
+        tops.append(top)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
 @dataclass
 class Answer:
     """The fixed fields of one request's response objects and chunks."""
@@ -49,6 +87,7 @@ class Answer:
     model_id: str
     id: str = ""
     created: int = 0
+    text_offset: int = 0  # the streamed text's length so far, for the completions' logprobs
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.endpoint == "chat.completions" else "cmpl"
@@ -59,21 +98,36 @@ class Answer:
         return {**head, "choices": choices, **extra}
 
     def complete(self, result) -> dict:
+        logprobs = None
         if self.endpoint == "chat.completions":
+            if result.logprobs is not None:
+                logprobs = chat_logprobs(result.logprobs)
             message = {"role": "assistant", "content": result.text}
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
             kind = "chat.completion"
         else:
-            choice, kind = {"index": 0, "text": result.text, "logprobs": None}, "text_completion"
+            if result.logprobs is not None:
+                logprobs = completion_logprobs(result.logprobs)
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs}
+            kind = "text_completion"
         choice["finish_reason"] = result.finish_reason
         return self._object(kind, [choice], usage=usage(result))
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, **extra) -> str:
+        """text: a piece of the answer; a LoggedText piece adds its tokens' logprobs."""
+        entries = getattr(text, "logprobs", None)
         if self.endpoint == "chat.completions":
-            delta = {} if text is None else {"content": text}
+            delta = {} if text is None else {"content": str(text)}
             choice, kind = {"index": 0, "delta": delta}, "chat.completion.chunk"
+            if entries is not None:
+                choice["logprobs"] = chat_logprobs(entries)
         else:
-            choice, kind = {"index": 0, "text": text or "", "logprobs": None}, "text_completion"
+            logprobs = None
+            if entries is not None:
+                logprobs = completion_logprobs(entries, self.text_offset)
+                self.text_offset += sum(len(e.text) for e in entries)
+            choice = {"index": 0, "text": str(text or ""), "logprobs": logprobs}
+            kind = "text_completion"
         choice["finish_reason"] = finish_reason
         return sse_event(self._object(kind, [choice], **extra))
 

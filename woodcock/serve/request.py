@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 DEFAULT_MAX_TOKENS = 512  # when a request names no limit (as mlx_lm.server)
+MAX_TOP_LOGPROBS = {"chat.completions": 20, "completions": 5}  # as OpenAI documents them
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -102,6 +103,11 @@ class GenerationRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # None: not asked for; n: each token's, with the n most likely
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # mlx-lm's; 0 leaves the logits alone
 
 
 @dataclass(frozen=True)
@@ -152,15 +158,10 @@ def _refuse_unsupported(body: dict, endpoint: str) -> None:
     """Fields that would change the answer in ways this server does not implement: refused
     rather than ignored. `n` other than 1 is refused with them."""
     off = {
-        "logprobs": lambda v: v in (None, False, 0),
-        "top_logprobs": lambda v: v in (None, 0),
         "tools": lambda v: not v,
         "functions": lambda v: not v,
         "tool_choice": lambda v: v in (None, "none"),
         "function_call": lambda v: v in (None, "none"),
-        "logit_bias": lambda v: not v,
-        "presence_penalty": lambda v: v in (None, 0),
-        "frequency_penalty": lambda v: v in (None, 0),
         "response_format": lambda v: v is None or v == {"type": "text"},
     }
     if endpoint == "completions":
@@ -185,6 +186,57 @@ def _refuse_unsupported(body: dict, endpoint: str) -> None:
             param="n",
             code="unsupported_parameter",
         )
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """How many of the most likely tokens to report with each token's log-probability; None
+    when the log-probabilities are not asked for. Chat asks with `logprobs: true` and
+    `top_logprobs`, completions with the integer `logprobs`."""
+    top = MAX_TOP_LOGPROBS[endpoint]
+    if endpoint == "completions":
+        return _number(body, "logprobs", None, low=0, high=top, integer=True)
+    count = _number(body, "top_logprobs", None, low=0, high=top, integer=True)
+    if not _boolean(body, "logprobs", False):
+        if count is not None:
+            raise RequestError(
+                "top_logprobs: only allowed with logprobs: true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return None
+    return count or 0
+
+
+def _logit_bias(body: dict, facts: ModelFacts) -> dict[int, float] | None:
+    """{token id (a string, as JSON keys are): a bias in [-100, 100] added to its logit}."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError(
+            f"logit_bias: expected an object, got {_json_type(bias)}",
+            param="logit_bias",
+            code="invalid_type",
+        )
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < facts.vocab_size or str(token) != key.strip():
+            raise RequestError(
+                f"logit_bias: key {key!r}: expected a token id in [0, {facts.vocab_size})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        name = f"logit_bias[{key}]"
+        if value is None:
+            raise RequestError(
+                f"{name}: expected a number, got null", param=name, code="invalid_type"
+            )
+        parsed[token] = float(_number({name: value}, name, None, low=-100, high=100))
+    return parsed or None
 
 
 def _content_text(content, param: str) -> str:
@@ -355,6 +407,11 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
         seed=_number(body, "seed", None, integer=True),
         stream=stream,
         include_usage=include_usage,
+        logprobs=_logprobs(body, endpoint),
+        logit_bias=_logit_bias(body, facts),
+        presence_penalty=_number(body, "presence_penalty", 0.0, low=-2, high=2),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2, high=2),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, low=0),
     )
     if endpoint == "chat.completions":
         prompt_field = "messages"
