@@ -48,18 +48,17 @@ def open_engine(
         session = open_session(target, "ngram", dtype=dtype, lookup=False)
         return Engine(session, None, prefix_cache=prefix_cache)
     session = open_session(target, drafter, dtype=dtype, lookup=lookup)
-    if policy in ("auto", "confidence"):
-        from woodcock.runtime.latency import cached_profile  # imports numpy
+    from woodcock.runtime.latency import policy_with_profile  # imports numpy
 
-        def announce(done: int, total: int) -> None:  # called only while measuring
-            if done == 1:
-                print(
-                    f"woodcock: measuring this machine's latency for --policy {policy} (once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    def announce(done: int, total: int) -> None:  # called only while measuring
+        if done == 1:
+            print(
+                f"woodcock: measuring this machine's latency for --policy {policy} (once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
-        policy = f"{policy}:{cached_profile(session, target, drafter, progress=announce)}"
+    policy = policy_with_profile(policy, session, target, drafter, progress=announce)
     return Engine(session, policy, prefix_cache=prefix_cache)
 
 
