@@ -14,7 +14,6 @@ import pytest
 
 from woodcock.runtime.machine import (
     classify_blas,
-    find_openblas,
     machine_facts,
     slow_path_warnings,
 )

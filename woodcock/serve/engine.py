@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from woodcock.runtime.decode import Stats
+from woodcock.runtime.generate import generate, timed_text
+from woodcock.runtime.policy import parse_policy
+from woodcock.runtime.sampling import Sampling, make_logits_processors
 from woodcock.serve.request import DEFAULT_MAX_TOKENS, GenerationRequest, ModelFacts
 
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -27,8 +35,6 @@ class Engine:
     def __init__(self, session, policy: str | None, *, prefix_cache: bool = True):
         """policy: as `woodcock generate --policy` takes it, with a latency file where the
         policy needs one; None decodes plainly with mlx-lm (the session's drafter is unused)."""
-        from woodcock.runtime.policy import parse_policy  # imports mlx
-
         self.session, self.policy, self.prefix_cache = session, policy, prefix_cache
         self.cached_tokens: list[int] = []  # the tokens whose rows both caches hold, in order
         # one policy object for the server's life, as `woodcock bench` keeps one across its
@@ -73,11 +79,6 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ):
-        import mlx.core as mx
-
-        from woodcock.runtime.generate import generate
-        from woodcock.runtime.sampling import Sampling, make_logits_processors
-
         if request.seed is not None:
             mx.random.seed(request.seed)
         ids, cached = request.prompt_ids, self.reusable(request.prompt_ids)
@@ -114,13 +115,6 @@ class Engine:
         """mlx-lm's own decoding loop on the target's cache: the baseline the drafter is
         measured against, with the same prompt cache, stop rules, cancellation and logits
         processors (which see the whole prompt, the cached part too)."""
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step
-        from mlx_lm.sample_utils import make_sampler
-
-        from woodcock.runtime.decode import Stats
-        from woodcock.runtime.generate import timed_text
-
         target, ids = self.session.target, request.prompt_ids
         if not (cached and target.truncate(cached)):
             cached = 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from woodcock.runtime.generate import encode_messages
+
 DEFAULT_MAX_TOKENS = 512  # when a request names no limit (as mlx_lm.server)
 MAX_TOP_LOGPROBS = {"chat.completions": 20, "completions": 5}  # as OpenAI documents them
 ROLES = {"system", "developer", "user", "assistant"}
@@ -422,8 +424,6 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
                 param="messages",
                 code="invalid_value",
             )
-        from woodcock.runtime.generate import encode_messages  # imports mlx
-
         try:
             request.prompt_ids = encode_messages(facts.tokenizer, conversation)
         except TemplateError as e:  # e.g. a template that allows no system turn

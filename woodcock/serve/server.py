@@ -8,6 +8,9 @@ import sys
 
 from woodcock.default_target import DEFAULT_TARGET, resolve_pair, resolve_target
 from woodcock.errors import DrafterError
+from woodcock.runtime.latency import policy_with_profile
+from woodcock.runtime.machine import machine_facts, warn_slow_paths
+from woodcock.runtime.session import open_session
 from woodcock.serve.engine import Engine
 from woodcock.serve.request import DEFAULT_MAX_TOKENS
 from woodcock.serve.worker import DEFAULT_QUEUE_SIZE, GenerationWorker
@@ -41,15 +44,11 @@ def open_engine(
     """Open the session (in the calling thread, which must be the one that generates) and the
     policy: `auto` / `confidence` without a file use this machine's cached latency profile for
     the pair, measured now, once, if there is none."""
-    from woodcock.runtime.session import open_session  # imports mlx
-
     if drafter is None:
         # plain decoding needs only the target: the weight-free n-gram drafter opens it alone
         session = open_session(target, "ngram", dtype=dtype, lookup=False)
         return Engine(session, None, prefix_cache=prefix_cache)
     session = open_session(target, drafter, dtype=dtype, lookup=lookup)
-    from woodcock.runtime.latency import policy_with_profile  # imports numpy
-
     def announce(done: int, total: int) -> None:  # called only while measuring
         if done == 1:
             print(
@@ -117,8 +116,6 @@ def serve(
     except BaseException:
         sock.close()
         raise
-    from woodcock.runtime.machine import machine_facts, warn_slow_paths  # imports mlx
-
     warn_slow_paths(machine_facts(engine.session.dtype_name))
     description = {
         "drafter": drafter,

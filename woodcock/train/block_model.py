@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DFlash, DrafterSpec, DSpark, Fusion, Head, Taps
+from woodcock.runtime.block import BlockModel
 from woodcock.train.features import TargetRunner
 from woodcock.train.options import TrainOptions
 from woodcock.train.target_shape import layer_like_target, target_facts
@@ -91,10 +93,6 @@ def build_block_model(
     """The trainable drafter: the runtime's BlockModel (canonical parameter names), the target's
     embedding loaded and frozen, the head rows loaded (frozen when the head is shared), the
     final norm started from the target's."""
-    import mlx.core as mx
-
-    from woodcock.runtime.block import BlockModel
-
     mx.random.seed(seed)
     model = BlockModel(spec)
     model.embed_tokens.weight = mx.array(embedding)
@@ -115,8 +113,6 @@ def build_block_model(
 
 def fuse(model, spec, taps):
     """taps [..., A*Ht] -> fused context [..., H] (`BlockDrafter.fuse`)."""
-    import mlx.core as mx
-
     fusion = spec.fusion
     x = taps
     if fusion.tap_norm == "per_tap":
@@ -133,8 +129,6 @@ def fuse(model, spec, taps):
 def context_masks(spec, anchors, context_rows: int) -> dict:
     """Additive masks [S, N, Lc] (0 visible, -inf not) by sliding window (None = full): context
     row t is visible to the block anchored at p iff t < p (and t >= p - W)."""
-    import mlx.core as mx
-
     t = mx.arange(context_rows)[None, None, :]
     p = anchors[..., None]
     masks = {}
@@ -152,8 +146,6 @@ def context_masks(spec, anchors, context_rows: int) -> dict:
 def _layer(layer, x, context, anchors, context_mask, block_mask):
     """One decoder layer over every block: x [S, N, B, H], context [S, Lc, H] (fused, the same
     for every layer), anchors [S, N] -> [S, N, B, H]."""
-    import mlx.core as mx
-
     attn = layer.self_attn
     s, n, b, _ = x.shape
     rows = context.shape[1]
@@ -199,8 +191,6 @@ def block_states(model, spec, taps, anchors, block_ids):
     """taps [S, Lc, A*Ht] (row t: the target's tapped states at position t), anchors [S, N]
     int32 positions p >= 1, block_ids [S, N, B] target ids ([x_p, MASK, ...]) -> the post-norm
     states of every block slot [S, N, B, H]."""
-    import mlx.core as mx
-
     context = fuse(model, spec, taps)
     masks = context_masks(spec, anchors, taps.shape[1])
     size = block_ids.shape[-1]
@@ -218,8 +208,6 @@ def markov_features(model, spec, hidden, prev_ids):
     token before the one each slot predicts -> (u [S, N, B, r]: the bias is markov_w2(u),
     e [S, N, B, r]: markov_w1 of the previous tokens). The rnn state runs over every slot of a
     block in order, slot 0 included."""
-    import mlx.core as mx
-
     head = model.markov_head
     e = head.markov_w1(prev_ids)
     if head.kind == "vanilla":
@@ -242,8 +230,6 @@ def slot_outputs(model, spec, hidden, prev_ids, rows=None):
     """The draft logits (Markov bias included) and confidence logits of the chosen slots:
     hidden [S, N, B, H], prev_ids [S, N, B], rows: flat indices into S*N*B (None: all) ->
     (logits [n, Vd], confidence logits [n] or None)."""
-    import mlx.core as mx
-
     algorithm = spec.algorithm
 
     def pick(x):

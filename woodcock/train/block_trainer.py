@@ -31,6 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 
 from woodcock.train.block_model import (
@@ -103,8 +106,6 @@ class BlockTrainer:
         opts: TrainOptions,
         group: Group,
     ):
-        import mlx.nn as nn
-
         self.model, self.spec, self.opts, self.group = model, spec, opts, group
         algorithm = spec.algorithm
         self.block_size = algorithm.block_size
@@ -119,8 +120,6 @@ class BlockTrainer:
 
     def inputs(self, batch: Batch, anchors: Sequence[np.ndarray]) -> BlockInputs | None:
         """None when no sequence of the batch has room for a block."""
-        import mlx.core as mx
-
         size, shift = self.block_size, self.shift
         count = max(len(a) for a in anchors)
         if count == 0:
@@ -169,8 +168,6 @@ class BlockTrainer:
 
     def _loss(self, model, inputs: BlockInputs, count):
         """count: the losses are means over this many rows (mx scalar, at least 1)."""
-        import mlx.core as mx
-
         hidden = block_states(model, self.spec, inputs.taps, inputs.anchors, inputs.block_ids)
         logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
         lse = mx.logsumexp(logits, axis=-1)
@@ -214,9 +211,6 @@ class BlockTrainer:
         by N (an all_sum of the counts, before the forward pass), so the loss, and its gradient,
         are the all_sum of the ranks' terms: the single-process step, not a mean of per-rank
         means."""
-        import mlx.core as mx
-        import mlx.optimizers as optim
-
         mine = [0, 0] if inputs is None else [inputs.rows.shape[0], inputs.loss_rows]
         rows, loss_rows = (int(x) for x in self.group.sum(np.array(mine)))
         if rows == 0:
@@ -249,8 +243,6 @@ class BlockTrainer:
         }
 
     def evaluate(self, batches: Iterable[tuple[Batch, Sequence[np.ndarray]]]) -> dict[str, Any]:
-        import mlx.core as mx
-
         metrics = BlockMetrics(self.slots)
         loss_sum, confidence_sum, count = 0.0, 0.0, 0.0
         for batch, anchors in batches:

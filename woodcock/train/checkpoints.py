@@ -8,7 +8,9 @@ import os
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
@@ -17,9 +19,6 @@ CHECKPOINT_VERSION = 1
 
 
 def save_checkpoint(directory: Path, step: int, model, optimizer, state: dict) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     directory.mkdir(parents=True, exist_ok=True)
     folder = directory / f"step-{step:07d}"
     if folder.exists():
@@ -54,9 +53,6 @@ def checkpoint_state(directory: Path) -> dict:
 
 def load_checkpoint(state: dict, model, optimizer) -> None:
     """Weights and optimizer state of the checkpoint `checkpoint_state` described."""
-    import mlx.core as mx
-    from mlx.utils import tree_unflatten
-
     folder = Path(state["folder"])
     params = mx.load(str(folder / "model.safetensors"))
     model.update(tree_unflatten(list(params.items())))
@@ -88,9 +84,6 @@ def trim_log(path: Path, step: int) -> None:
 
 
 def trained_weights(model) -> dict[str, np.ndarray]:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     return {
         name: np.array(value.astype(mx.float32))
         for name, value in tree_flatten(model.trainable_parameters())

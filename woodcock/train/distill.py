@@ -24,10 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
 from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
+from woodcock.runtime.generate import encode_prompt
 from woodcock.target_checkpoint import load_mlx_target
 
 ANSWERS = "answers.jsonl"
@@ -135,11 +139,6 @@ def distill(
 ) -> DistillReport:
     """Answer every prompt of `prompts_file` not yet answered in `out` (target None: the default
     target). progress(done, total) is called as answers finish."""
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
-
-    from woodcock.runtime.generate import encode_prompt
-
     if max_tokens < 1 or batch < 1:
         raise DrafterError(f"--max-tokens {max_tokens}, --batch {batch}: expected at least 1")
     out = Path(out)

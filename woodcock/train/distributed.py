@@ -16,15 +16,15 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 Item = TypeVar("Item")
 
 
 class Group:
     def __init__(self):
-        import mlx.core as mx
-
         self._group = mx.distributed.init()
         self.rank, self.size = self._group.rank(), self._group.size()
 
@@ -43,8 +43,6 @@ class Group:
         """`values` summed over the ranks, in float32 (counts are exact up to 2^24)."""
         if self.size == 1:
             return values
-        import mlx.core as mx
-
         summed = mx.distributed.all_sum(mx.array(np.asarray(values, np.float32)), group=self._group)
         return np.array(summed).astype(np.asarray(values).dtype)
 
@@ -64,9 +62,6 @@ class Group:
         (fewer, larger messages)."""
         if self.size == 1:
             return tree
-        import mlx.core as mx
-        from mlx.utils import tree_flatten, tree_unflatten
-
         flat = tree_flatten(tree)
         ends = list(itertools.accumulate(a.size for _, a in flat))
         together = mx.concatenate([a.reshape(-1) for _, a in flat])
@@ -78,14 +73,9 @@ class Group:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         if self.size > 1:
-            import mlx.core as mx
-
             mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self._group))
 
 
 def zero_gradients(model):
     """The gradients of a rank whose share of a batch is empty."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     return tree_map(mx.zeros_like, model.trainable_parameters())

@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from woodcock.ir import DrafterSpec, Eagle3, Fusion, Head, Taps
+from woodcock.runtime.eagle3 import Eagle3Model
 from woodcock.train.features import TargetRunner
 from woodcock.train.target_shape import layer_like_target, target_facts
 
@@ -40,10 +42,6 @@ def build_model(
 ):
     """The trainable drafter: the runtime's Eagle3Model (canonical parameter names, standard
     [out, in] weights), the target's embedding loaded and frozen."""
-    import mlx.core as mx
-
-    from woodcock.runtime.eagle3 import Eagle3Model
-
     mx.random.seed(seed)
     model = Eagle3Model(spec, head_rows.shape[0])
     model.embed_tokens.weight = mx.array(embedding)
@@ -58,8 +56,6 @@ def build_model(
 def _layer_step(layer, x, embeds, offset: int, store: list, causal, norm_before_residual: bool):
     """One decoder layer at TTT step len(store) for every row: x [B, R, H] -> [B, R, H]; this
     step's keys/values are appended to `store`."""
-    import mlx.core as mx
-
     attn = layer.self_attn
     batch, rows, _ = x.shape
     nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -94,8 +90,6 @@ def ttt_states(model, tokens, taps, steps: int) -> list:
     """tokens int32 [B, R + steps - 1] with tokens[:, j] = x_{j+1}; taps [B, R, A*Ht] with
     taps[:, i] = g_i -> per step the final-norm output [B, R, H], which lm_head turns into
     logits (step k: row i predicts x_{i+2+k})."""
-    import mlx.core as mx
-
     rows = taps.shape[1]
     algorithm = model.algorithm
     causal = mx.triu(mx.full((rows, rows), -math.inf, mx.float32), k=1)

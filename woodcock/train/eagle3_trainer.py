@@ -35,6 +35,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 
 from woodcock.train.data import Batch, eval_batches, make_batch
@@ -115,8 +118,6 @@ class Eagle3Trainer:
         opts: TrainOptions,
         group: Group,
     ):
-        import mlx.nn as nn
-
         self.model, self.opts, self.group = model, opts, group
         self.steps = opts.ttt_steps
         self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
@@ -127,8 +128,6 @@ class Eagle3Trainer:
     def _inputs(self, batch: Batch) -> StepInputs:
         """Only rows whose step-k target is an answer position get logits and a loss (prompt
         and padding rows still run the layers: later rows attend to them)."""
-        import mlx.core as mx
-
         valid, loss_mask = step_masks(batch, self.steps, self.in_head)
         batch_size, rows = batch.tokens.shape[0], batch.rows
         # the target distribution at every answer position, once
@@ -165,8 +164,6 @@ class Eagle3Trainer:
 
     def _loss(self, model, inputs: StepInputs, denominators):
         """denominators [K]: step k's loss is a mean over this many rows (at least 1)."""
-        import mlx.core as mx
-
         states = ttt_states(model, inputs.tokens, inputs.taps, self.steps)
         total = mx.array(0.0)
         per_step, drafts = [], []
@@ -204,9 +201,6 @@ class Eagle3Trainer:
         own sum by N_k (an all_sum of the counts, before the forward pass), so L_k, and its
         gradient, are the all_sum of the ranks' terms: the single-process step, not a mean of
         per-rank means."""
-        import mlx.core as mx
-        import mlx.optimizers as optim
-
         inputs = None if batch is None else self._inputs(batch)
         counts = np.zeros(self.steps, np.int64) if inputs is None else inputs.counts
         denominators = mx.array(np.maximum(self.group.sum(counts), 1).astype(np.float32))
@@ -235,8 +229,6 @@ class Eagle3Trainer:
         }
 
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, Any]:
-        import mlx.core as mx
-
         agreement = Agreement(self.steps)
         loss_sum, weight = np.zeros(self.steps), np.zeros(self.steps)
         for batch in batches:

@@ -9,11 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 import numpy as np
+from mlx_lm import load
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.loading import resolve_source
+from woodcock.runtime.target import MlxTarget, recording
 from woodcock.train.options import Progress
 
 if TYPE_CHECKING:
@@ -30,8 +33,6 @@ def to_fp16(x, parts: int):
     part is divided by 2^e, the smallest e >= 0 that brings its largest |value| to at most 2^15.
     Massive activations (SmolLM2's middle layers reach 2.5e4, near fp16's 65504) can then never
     overflow, and every value keeps fp16's relative precision."""
-    import mlx.core as mx
-
     shape = x.shape
     y = x.reshape(*shape[:-1], parts, -1)
     peak = mx.max(mx.abs(y), axis=-1)
@@ -52,11 +53,6 @@ class TargetRunner:
     """An mlx-lm model as the teacher: taps, final hidden state, full-vocabulary argmax."""
 
     def __init__(self, source: str, layer_ids: Sequence[int]):
-        import mlx.core as mx
-        from mlx_lm import load
-
-        from woodcock.runtime.target import MlxTarget
-
         self.model, self.tokenizer = load(str(source))
         if mx.default_device() == mx.cpu:
             self.model.set_dtype(mx.float32)
@@ -76,8 +72,6 @@ class TargetRunner:
         self._checked = False
 
     def final_norm_weight(self) -> np.ndarray | None:
-        import mlx.core as mx
-
         inner = getattr(self.model, "model", None)
         norm = getattr(inner, "norm", None)
         weight = getattr(norm, "weight", None)
@@ -88,10 +82,6 @@ class TargetRunner:
     def run(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """tokens int32 [B, L] (right-padded) -> taps [B, L, A*Ht] and final hidden [B, L, Ht]
         as `to_fp16` stores them (with their exponents), argmax int32 [B, L]."""
-        import mlx.core as mx
-
-        from woodcock.runtime.target import recording
-
         x = mx.array(tokens)
         inner = self.model.model
         with recording(self.model.layers, self.layer_ids) as states:
@@ -121,8 +111,6 @@ class TargetRunner:
     def _check_head(self, tokens: np.ndarray, hidden) -> None:
         """The soft labels are final hidden @ head rows: make sure that is what the model's own
         forward computes (no logit soft-capping or scaling)."""
-        import mlx.core as mx
-
         n = min(16, tokens.shape[0])
         logits = self.model(mx.array(tokens[None, :n]))[0]
         mine = hidden[:n] @ self._head_t

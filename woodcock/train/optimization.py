@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 
 from woodcock.train.options import TrainOptions
@@ -12,9 +14,6 @@ from woodcock.train.options import TrainOptions
 
 def make_optimizer(opts: TrainOptions):
     """AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to min_lr_ratio of the peak."""
-    import mlx.core as mx
-    import mlx.optimizers as optim
-
     warmup, total, peak, floor = opts.warmup_steps(), opts.steps, opts.lr, opts.min_lr_ratio
 
     def schedule(step):
@@ -30,8 +29,6 @@ def make_optimizer(opts: TrainOptions):
 def draft_head(head_matrix: np.ndarray, head_target_ids: np.ndarray | None):
     """(target id of each draft row [Vd], whether each target id has a row [V], the target's
     head rows of the draft vocabulary transposed [Ht, Vd]) for the soft labels."""
-    import mlx.core as mx
-
     vocab = int(head_matrix.shape[0])
     head_ids = np.arange(vocab, dtype=np.int64) if head_target_ids is None else head_target_ids
     in_head = np.zeros(vocab, bool)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from woodcock.default_target import resolve_target
@@ -360,8 +361,6 @@ def _write_drafter(
     processes: int,
 ) -> None:
     """The trained drafter in the woodcock format, with how it was made in its provenance."""
-    import mlx.core as mx
-
     out, spec = Path(opts.out), run.spec
     vocab_map = VocabMap(vocab.head_ids, VocabCounts(vocab.counts, vocab.info))
     drafter = Drafter(spec, vocab_map, trained_weights(run.model))

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
@@ -46,8 +47,6 @@ def load_init(opts: TrainOptions):
 def start_from(model, init, spec, source: str) -> None:
     """Load `init`'s weights into the freshly built `model`; `init` must have the spec this run
     builds (the number of TTT steps and the target's name aside)."""
-    import mlx.core as mx
-
     algorithm = init.spec.algorithm
     if isinstance(algorithm, Eagle3):
         algorithm = dataclasses.replace(
