@@ -500,10 +500,29 @@ def serve(
         bool,
         typer.Option(
             "--prefix-cache/--no-prefix-cache",
-            help="Keep the cached rows of the prefix a prompt shares with the previous request"
+            help="Keep the cached rows of the prefix a prompt shares with an earlier request"
             " (target and drafter) instead of prefilling every prompt whole.",
         ),
     ] = True,
+    prefix_cache_gb: Annotated[
+        float,
+        typer.Option(
+            "--prefix-cache-gb",
+            min=0,
+            help="Most GB of KV rows (target and drafter) kept for recent conversations; a"
+            " request reuses the one sharing its longest prefix, the least recently used go"
+            " first. 0: no prefix cache, as --no-prefix-cache.",
+        ),
+    ] = 1.0,
+    request_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--request-timeout",
+            min=0,
+            help="Seconds a request may take from its arrival, queue wait included; then it is"
+            " cancelled: answered 504, or a stream ends with an error event. Default: no limit.",
+        ),
+    ] = None,
     no_drafter: Annotated[
         bool,
         typer.Option("--no-drafter", help="Decode plainly with mlx-lm, without a drafter."),
@@ -536,6 +555,8 @@ def serve(
         port=port,
         queue_size=queue_size,
         prefix_cache=prefix_cache,
+        prefix_cache_gb=prefix_cache_gb,
+        request_timeout=request_timeout,
         lookup=lookup,
         dtype=dtype,
         plain=no_drafter,

@@ -35,7 +35,12 @@ UNSUPPORTED = {
     "mcp_servers": lambda v: not v,
 }
 # Anthropic's error types by the status the server would answer
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "api_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    500: "api_error",
+    504: "timeout_error",
+}
 OVERLOADED = 529  # Anthropic's status for "busy, retry": what a full queue answers here
 
 

@@ -28,7 +28,7 @@ from woodcock.serve.request import (
     parse_json_body,
     parse_request,
 )
-from woodcock.serve.worker import GenerationWorker, Job
+from woodcock.serve.worker import MAX_BATCH, GenerationWorker, Job
 
 ENDPOINTS = ("chat.completions", "completions")
 
@@ -39,10 +39,15 @@ def create_app(
     model_id: str,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     description: dict | None = None,
+    request_timeout: float | None = None,
 ) -> Starlette:
     """The ASGI application over a started worker. description: extra fields for /v1/models
-    (the drafter and policy, say)."""
-    handlers = _Handlers(worker, model_id, default_max_tokens, description or {})
+    (the drafter and policy, say). request_timeout: seconds from a request's arrival (queue
+    wait included) after which it is cancelled: answered 504 `timeout`, or, streamed, ended
+    with an error event; None: no limit."""
+    handlers = _Handlers(
+        worker, model_id, default_max_tokens, description or {}, request_timeout
+    )
     routes = [
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
@@ -106,9 +111,15 @@ class _Handlers:
     """The routes' handlers, over one worker and the model it serves."""
 
     def __init__(
-        self, worker: GenerationWorker, model_id: str, default_max_tokens: int, description: dict
+        self,
+        worker: GenerationWorker,
+        model_id: str,
+        default_max_tokens: int,
+        description: dict,
+        request_timeout: float | None = None,
     ):
         self.worker, self.metrics, self.model_id = worker, worker.metrics, model_id
+        self.request_timeout = request_timeout
         self.facts = worker.engine.facts(model_id, default_max_tokens)
         # encoding runs off the event loop, one prompt at a time (a fast tokenizer object must
         # not be used by two threads at once)
@@ -172,11 +183,24 @@ class _Handlers:
 
     async def metrics_text(self, request):
         worker = self.worker
+        running = int(worker.running is not None)
         gauges = {
             "queue_waiting": ("Requests waiting for the model", worker.waiting),
             "queue_size": ("Most requests that may wait (--queue-size)", worker.queue_size),
             "busy": ("1 while a request is generating", int(worker.running is not None)),
+            "running_requests": ("Requests generating now", running),
+            "max_batch_size": ("Most requests that generate at once", MAX_BATCH),
+            "batch_occupancy": ("Running requests over the most that may run", running / MAX_BATCH),
         }
+        if (pool := worker.engine.pool) is not None:
+            gauges |= {
+                "prefix_cache_entries": ("Conversations in the prefix pool", len(pool.entries)),
+                "prefix_cache_bytes": ("Bytes of KV rows in the prefix pool", pool.nbytes),
+                "prefix_cache_limit_bytes": (
+                    "The pool's limit (--prefix-cache-gb)",
+                    pool.limit_bytes,
+                ),
+            }
         return PlainTextResponse(
             self.metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
@@ -240,18 +264,39 @@ class _Handlers:
             headers={"Retry-After": str(self.worker.retry_after())},
         )
 
+    def _time_left(self, job: Job) -> float | None:
+        """Seconds until the job's timeout (None: no limit)."""
+        if self.request_timeout is None:
+            return None
+        return max(0.0, job.arrived + self.request_timeout - time.monotonic())
+
+    def _timed_out(self) -> RequestError:
+        return RequestError(
+            f"the request ran past --request-timeout {self.request_timeout:g} seconds (queue"
+            " wait included) and was cancelled",
+            code="timeout",
+            status=504,
+            kind="timeout_error",
+        )
+
     async def _complete(self, request, job: Job, answer, api: _Api) -> Response:
         """The whole answer, or 204 when the client goes away first (which frees the model)."""
         watcher = asyncio.ensure_future(_until_disconnected(request.receive))
         getter = asyncio.ensure_future(job.events.get())
         try:
-            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {getter, watcher}, timeout=self._time_left(job), return_when=asyncio.FIRST_COMPLETED
+            )
+            disconnected = watcher.done()
         finally:
             watcher.cancel()
         if not getter.done():
             getter.cancel()
-            self.worker.cancel(job)
-            return Response(status_code=204)
+            if disconnected:
+                self.worker.cancel(job)
+                return Response(status_code=204)
+            self.worker.cancel(job, timed_out=True)
+            return self._error_response(self._timed_out(), api)
         kind, value = getter.result()
         if kind == "error":
             body, status = api.error_body(_failure(value))
@@ -265,7 +310,14 @@ class _Handlers:
             if opening := answer.opening():
                 yield opening
             while True:
-                kind, value = await job.events.get()
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), self._time_left(job))
+                except TimeoutError:
+                    finished = True
+                    self.worker.cancel(job, timed_out=True)
+                    self.metrics.add("request_errors", status="504")
+                    yield answer.failure(self._timed_out())
+                    break
                 if kind == "text":
                     yield answer.text(value)
                 elif kind == "done":

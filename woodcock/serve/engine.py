@@ -1,10 +1,12 @@
-"""The engine: generations on one session, one at a time, with a prompt cache.
+"""The engine: generations on one session, one at a time, with a prefix cache.
 
 The target's KV cache and the drafter's context rows are kept after a request, with the tokens
-they hold. The next prompt keeps the rows of the longest common token prefix (less one token:
-an EAGLE-3 context row reads the token after its position, and at least one prompt token must
-run for the first logits) and prefills only the rest, as mlx_lm.server does for the target.
-Greedy output is the same with and without it.
+they hold, and a detached copy of them goes into a bounded pool of recent conversations
+(`prefix`). The next prompt takes over the live state or the pool entry that shares its longest
+token prefix, keeps the rows of that prefix (less one token: an EAGLE-3 context row reads the
+token after its position, and at least one prompt token must run for the first logits) and
+prefills only the rest, as mlx_lm.server does for the target. Greedy output is the same with
+and without it.
 """
 
 from __future__ import annotations
@@ -19,24 +21,44 @@ from woodcock.runtime.decode import Stats
 from woodcock.runtime.generate import generate, timed_text
 from woodcock.runtime.policy import parse_policy
 from woodcock.runtime.sampling import Sampling, make_logits_processors
+from woodcock.serve.prefix import PrefixPool, kv_caches_only, restore, shared_prefix, snapshot
 from woodcock.serve.request import DEFAULT_MAX_TOKENS, GenerationRequest, ModelFacts
 
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+DEFAULT_PREFIX_CACHE_GB = 1.0
 
 
 class _PrefillCancelled(Exception):
     pass
 
 
+def _kept(common: int, prompt_length: int) -> int:
+    return max(0, min(common - 1, prompt_length - 1))
+
+
 class Engine:
     """Runs generations on a session, one at a time, in the thread that opened the session, and
     remembers which tokens its caches hold for the next prompt."""
 
-    def __init__(self, session, policy: str | None, *, prefix_cache: bool = True):
+    def __init__(
+        self,
+        session,
+        policy: str | None,
+        *,
+        prefix_cache: bool = True,
+        prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
+    ):
         """policy: as `woodcock generate --policy` takes it, with a latency file where the
-        policy needs one; None decodes plainly with mlx-lm (the session's drafter is unused)."""
+        policy needs one; None decodes plainly with mlx-lm (the session's drafter is unused).
+        prefix_cache_gb: the pool's limit (KV rows of the target and the drafter); the live
+        state is reused whatever the limit, and caches that cannot be detached are not pooled."""
         self.session, self.policy, self.prefix_cache = session, policy, prefix_cache
         self.cached_tokens: list[int] = []  # the tokens whose rows both caches hold, in order
+        self.pool = None
+        if prefix_cache and kv_caches_only(session.target.cache):
+            self.pool = PrefixPool(int(prefix_cache_gb * 2**30))
+        # the objects besides the target whose state follows the tokens: a pool entry holds it
+        self._parts = [p for p in (session.drafter, session.lookup) if p is not None]
         # one policy object for the server's life, as `woodcock bench` keeps one across its
         # prompts: an adaptive policy's acceptance estimates go on learning from every request
         # (a fresh one would start from the prior at every request)
@@ -59,18 +81,42 @@ class Engine:
             default_max_tokens,
         )
 
+    def _source(self, prompt_ids: list[int]):
+        """(None for the live state or the pool entry to take over, the prefix it shares with
+        the prompt): the longest, the live state where no entry beats it (it costs no copy)."""
+        live = shared_prefix(self.cached_tokens, prompt_ids)
+        if self.pool is not None:
+            entry, common = self.pool.longest(prompt_ids)
+            if common > live:
+                return entry, common
+        return None, live
+
     def reusable(self, prompt_ids: list[int]) -> int:
         """Prompt tokens whose cached rows the next generation keeps: the longest prefix shared
-        with the cached tokens, less one (the drafter's row for the last of them reads the token
-        after it), and never the whole prompt (its last token must run for the first logits)."""
+        with the cached tokens (live or pooled), less one (the drafter's row for the last of
+        them reads the token after it), and never the whole prompt (its last token must run for
+        the first logits)."""
         if not self.prefix_cache:
             return 0
-        common = 0
-        for cached, token in zip(self.cached_tokens, prompt_ids, strict=False):
-            if cached != token:
-                break
-            common += 1
-        return max(0, min(common - 1, len(prompt_ids) - 1))
+        return _kept(self._source(prompt_ids)[1], len(prompt_ids))
+
+    def _take_prefix(self, prompt_ids: list[int]) -> int:
+        """Make the live state the one sharing the longest prefix; `reusable` tokens."""
+        if not self.prefix_cache:
+            return 0
+        entry, common = self._source(prompt_ids)
+        if entry is not None:
+            restore(entry, self.session.target, self._parts)
+            self.cached_tokens = list(entry.tokens)
+        if self.pool is not None:
+            self.pool.touch(self.cached_tokens)
+        return _kept(common, len(prompt_ids))
+
+    def _keep(self) -> None:
+        """Put a detached copy of the live state into the pool."""
+        if self.pool is not None and len(self.cached_tokens) > 1:
+            target = self.session.target
+            self.pool.put(snapshot(self.cached_tokens, target.cache, self._parts))
 
     def run(
         self,
@@ -81,7 +127,7 @@ class Engine:
     ):
         if request.seed is not None:
             mx.random.seed(request.seed)
-        ids, cached = request.prompt_ids, self.reusable(request.prompt_ids)
+        ids, cached = request.prompt_ids, self._take_prefix(request.prompt_ids)
         self.cached_tokens = []  # until this generation says what the caches hold
         processors = make_logits_processors(
             request.logit_bias,
@@ -109,6 +155,7 @@ class Engine:
         # the caches hold the first `offset` tokens of the prompt and the stream; the stream
         # may have run past what was kept (a round's drafts after a stop), hence the minimum
         self.cached_tokens = (ids + result.tokens)[: self.session.target.offset]
+        self._keep()
         return result
 
     def _run_plain(self, request, cached, on_text, cancelled, processors):

@@ -11,7 +11,7 @@ from woodcock.errors import DrafterError
 from woodcock.runtime.latency import policy_with_profile
 from woodcock.runtime.machine import machine_facts, warn_slow_paths
 from woodcock.runtime.session import open_session
-from woodcock.serve.engine import Engine
+from woodcock.serve.engine import DEFAULT_PREFIX_CACHE_GB, Engine
 from woodcock.serve.request import DEFAULT_MAX_TOKENS
 from woodcock.serve.worker import DEFAULT_QUEUE_SIZE, GenerationWorker
 
@@ -40,6 +40,7 @@ def open_engine(
     dtype: str | None = None,
     lookup: bool = True,
     prefix_cache: bool = True,
+    prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
 ) -> Engine:
     """Open the session (in the calling thread, which must be the one that generates) and the
     policy: `auto` / `confidence` without a file use this machine's cached latency profile for
@@ -47,7 +48,7 @@ def open_engine(
     if drafter is None:
         # plain decoding needs only the target: the weight-free n-gram drafter opens it alone
         session = open_session(target, "ngram", dtype=dtype, lookup=False)
-        return Engine(session, None, prefix_cache=prefix_cache)
+        return Engine(session, None, prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)
     session = open_session(target, drafter, dtype=dtype, lookup=lookup)
     def announce(done: int, total: int) -> None:  # called only while measuring
         if done == 1:
@@ -58,7 +59,7 @@ def open_engine(
             )
 
     policy = policy_with_profile(policy, session, target, drafter, progress=announce)
-    return Engine(session, policy, prefix_cache=prefix_cache)
+    return Engine(session, policy, prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -86,6 +87,8 @@ def serve(
     port: int = DEFAULT_PORT,
     queue_size: int = DEFAULT_QUEUE_SIZE,
     prefix_cache: bool = True,
+    prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
+    request_timeout: float | None = None,
     lookup: bool = True,
     dtype: str | None = None,
     plain: bool = False,
@@ -94,7 +97,9 @@ def serve(
 ) -> None:
     """Open the pair and serve it until interrupted. Errors in what was asked for (paths, the
     policy, the address) raise DrafterError before the server listens. plain: decode with
-    mlx-lm alone (no drafter), the baseline for measuring one."""
+    mlx-lm alone (no drafter), the baseline for measuring one. prefix_cache_gb: the prefix
+    pool's limit (0: no prefix cache, as prefix_cache=False). request_timeout: seconds a request
+    may take from its arrival (None: no limit)."""
     import uvicorn
 
     from woodcock.serve.app import create_app  # imports starlette
@@ -103,11 +108,22 @@ def serve(
         raise DrafterError(f"--queue-size {queue_size}: expected at least 1")
     if max_tokens < 1:
         raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
+    if not prefix_cache_gb >= 0:
+        raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected at least 0")
+    if request_timeout is not None and not request_timeout > 0:
+        raise DrafterError(f"--request-timeout {request_timeout}: expected more than 0 seconds")
+    prefix_cache = prefix_cache and prefix_cache_gb > 0
     source, drafter, model_id = resolve_served_pair(target, drafter, plain=plain)
     sock = _listening_socket(host, port)
     worker = GenerationWorker(
         lambda: open_engine(
-            source, drafter, policy, dtype=dtype, lookup=lookup, prefix_cache=prefix_cache
+            source,
+            drafter,
+            policy,
+            dtype=dtype,
+            lookup=lookup,
+            prefix_cache=prefix_cache,
+            prefix_cache_gb=prefix_cache_gb,
         ),
         queue_size=queue_size,
     )
@@ -122,9 +138,15 @@ def serve(
         "policy": engine.policy or "plain (mlx-lm, no drafter)",
         "prompt_lookup": engine.session.lookup is not None,
         "prefix_cache": prefix_cache,
+        "prefix_cache_gb": prefix_cache_gb if prefix_cache else 0,
+        "request_timeout": request_timeout,
     }
     app = create_app(
-        worker, model_id=model_id, default_max_tokens=max_tokens, description=description
+        worker,
+        model_id=model_id,
+        default_max_tokens=max_tokens,
+        description=description,
+        request_timeout=request_timeout,
     )
     address = sock.getsockname()
     print(

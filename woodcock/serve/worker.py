@@ -3,8 +3,8 @@
 MLX streams belong to the thread that made them, so the session is opened in the worker thread
 and every generation runs there, one request at a time in arrival order. At most `queue_size`
 requests wait behind the running one; more are answered 503 with a Retry-After. A streaming
-client that goes away cancels its request: the speculative loop checks between rounds (and
-prefill chunks), so the model is free again within one round.
+client that goes away cancels its request, and so does a request's timeout: the speculative
+loop checks between rounds (and prefill chunks), so the model is free again within one round.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from woodcock.serve.metrics import Metrics
 from woodcock.serve.request import GenerationRequest
 
 DEFAULT_QUEUE_SIZE = 8
+MAX_BATCH = 1  # requests generating at once
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: str = "queued"  # queued, running, cancelled (before it ran) or done
+    arrived: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, value) -> None:
         """From the worker thread: ("text", str), ("done", Generation) or ("error", Exception)."""
@@ -78,8 +80,9 @@ class GenerationWorker:
         self._jobs.put(job)
         return True
 
-    def cancel(self, job: Job) -> None:
-        """The client went away: a waiting job is dropped, a running one stops within a round."""
+    def cancel(self, job: Job, *, timed_out: bool = False) -> None:
+        """The client went away (or the request's time ran out): a waiting job is dropped, a
+        running one stops within a round."""
         with self._lock:
             if job.state == "queued":
                 job.state = "cancelled"
@@ -87,7 +90,7 @@ class GenerationWorker:
             elif job.state != "running":
                 return
         job.cancelled.set()
-        self.metrics.add("cancelled_requests")
+        self.metrics.add("timed_out_requests" if timed_out else "cancelled_requests")
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the running request and those waiting."""
@@ -117,7 +120,10 @@ class GenerationWorker:
                     continue
                 job.state, self.running = "running", job
                 self.waiting -= 1
+            self.metrics.observe("queue_wait_seconds", time.monotonic() - job.arrived)
             started = time.perf_counter()
+            pool = self.engine.pool
+            evictions = pool.evictions if pool is not None else 0
             try:
                 on_text = (lambda text: job.emit("text", text)) if job.request.stream else None
                 result = self.engine.run(
@@ -127,6 +133,11 @@ class GenerationWorker:
                     self.metrics.add("cancelled_completion_tokens", len(result.tokens))
                 else:
                     self.metrics.record(job.request.endpoint, result)
+                if self.engine.prefix_cache:
+                    hit = result.stats.cached_tokens > 0
+                    self.metrics.add("prefix_cache_hits" if hit else "prefix_cache_misses")
+                if pool is not None:
+                    self.metrics.add("prefix_cache_evictions", pool.evictions - evictions)
                 job.emit("done", result)
             except Exception as e:
                 self.engine.cached_tokens = []

@@ -1,0 +1,181 @@
+"""`woodcock serve`'s prefix pool and back-pressure over loopback with the official openai
+client, on the offline demo pair (EAGLE-3 drafter and prompt lookup): a request reuses the
+cached rows of any recent conversation, not only the last one, and answers token for token as
+it does cold; the pool evicts the least recently used beyond its size; request timeouts; the
+metrics that count all of these."""
+
+import threading
+import time
+
+import openai
+import pytest
+from test_serve import Server, demo, request, session, woodcock_text  # noqa: F401 (fixtures)
+
+from woodcock.runtime.generate import encode_prompt, generate
+from woodcock.runtime.policy import FixedPolicy
+from woodcock.runtime.sampling import Sampling
+from woodcock.serve.engine import Engine
+from woodcock.serve.request import GenerationRequest
+
+TURN_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def pool_server(demo, tmp_path_factory):  # noqa: F811
+    running = Server(demo, tmp_path_factory.mktemp("logs") / "pool.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def cold_server(demo, tmp_path_factory):  # noqa: F811
+    running = Server(demo, tmp_path_factory.mktemp("logs") / "cold.log", prefix_cache=False)
+    yield running
+    running.stop()
+
+
+def complete(server, prompt_ids, max_tokens=TURN_TOKENS):
+    """(token ids of the answer, cached prompt tokens, speculative usage) of a greedy completion
+    over token ids (no chat template: the prompts share exactly what the test says)."""
+    answer = server.client().completions.create(
+        model=server.model, prompt=prompt_ids, max_tokens=max_tokens, temperature=0
+    )
+    usage = answer.usage.model_dump()
+    return answer.choices[0].text, usage["prompt_tokens_details"]["cached_tokens"], usage
+
+
+def gauge(server, name: str) -> float:
+    _, _, text = request(server, "GET", "/metrics")
+    return next(
+        float(line.split()[-1])
+        for line in text.decode().splitlines()
+        if line.split()[0] == f"woodcock_{name}"
+    )
+
+
+def cold(session, ids, max_tokens=TURN_TOKENS):  # noqa: F811
+    """(text, tokens) of a greedy answer from empty caches, in this process."""
+    result = generate(session, ids, max_tokens=max_tokens, policy=FixedPolicy(4), sampling=Sampling())
+    return result.text, result.tokens
+
+
+def turns(session):  # noqa: F811
+    """Two conversations' first prompts, as token ids."""
+    tokenizer = session.tokenizer
+    return [
+        encode_prompt(tokenizer, "The quick brown fox", chat=False),
+        encode_prompt(tokenizer, "Paris is the capital of", chat=False),
+    ]
+
+
+def test_interleaved_conversations_hit_the_pool_and_answer_as_cold(
+    pool_server, cold_server, session  # noqa: F811
+):
+    hits = pool_server.metric("prefix_cache_hits")
+    prompts = turns(session)
+    replies = {}
+    for name, prompt in zip("AB", prompts, strict=True):  # A, then B: A is not the last one
+        text, replies[name] = cold(session, prompt)
+        assert complete(pool_server, prompt)[0] == text
+    for round_ in range(2):  # A continued, B continued, then both once more
+        for i, name in enumerate("AB"):
+            follow_up = prompts[i] + replies[name] + [5 + round_]
+            text, cached, usage = complete(pool_server, follow_up)
+            cold_text, cold_cached, cold_usage = complete(cold_server, follow_up)
+            # the pooled conversation's rows: its prompt and most of its answer
+            assert cold_cached == 0 and cached >= len(prompts[i]) + TURN_TOKENS // 2
+            expected, replies[name] = cold(session, follow_up)
+            assert text == cold_text == expected
+            # the drafter and the prompt lookup were restored as they were: the same rounds
+            assert usage["speculative"] == {**cold_usage["speculative"], **_times(usage)}
+            prompts[i] = follow_up
+    assert pool_server.metric("prefix_cache_hits") >= hits + 4
+    assert gauge(pool_server, "prefix_cache_entries") >= 2
+    assert gauge(pool_server, "prefix_cache_bytes") > 0
+    assert gauge(pool_server, "prefix_cache_limit_bytes") == 2**30
+
+
+def _times(usage) -> dict:
+    return {k: v for k, v in usage["speculative"].items() if k.endswith("_seconds")}
+
+
+def test_the_pool_evicts_the_least_recently_used_beyond_its_size(demo, session, tmp_path):  # noqa: F811
+    a, b = turns(session)
+    c = encode_prompt(session.tokenizer, "One, two, three, four", chat=False)
+    engine = Engine(session, "fixed:4")
+    sizes = []
+    for prompt in (a, b, c):
+        engine.run(GenerationRequest("completions", prompt, TURN_TOKENS))
+        sizes.append(engine.pool.entries[tuple(engine.cached_tokens)].nbytes)
+    limit = 2 * max(sizes) + min(sizes) // 2  # two conversations fit, not three
+    assert sum(sizes) > limit
+    server = Server(demo, tmp_path / "small.log", prefix_cache_gb=limit / 2**30)
+    try:
+        complete(server, a)
+        complete(server, b)
+        assert gauge(server, "prefix_cache_entries") == 2
+        assert complete(server, a)[1] == len(a) - 1  # A, not the last one, is reused: now B is
+        assert server.metric("prefix_cache_evictions") == 0  # the least recently used
+        complete(server, c)
+        assert server.metric("prefix_cache_evictions") == 1
+        assert gauge(server, "prefix_cache_entries") == 2
+        assert 0 < gauge(server, "prefix_cache_bytes") <= limit
+        assert complete(server, a)[1] == len(a) - 1  # A was kept
+        text, cached, _ = complete(server, b)  # B went: prefilled again, the same answer
+        assert cached < len(b) - 1 and text == cold(session, b)[0]
+        assert server.metric("prefix_cache_evictions") == 2
+    finally:
+        server.stop()
+
+
+def test_a_request_past_its_timeout_is_cancelled(demo, session, tmp_path):  # noqa: F811
+    server = Server(demo, tmp_path / "timeout.log", request_timeout=0.25)
+    prompt = turns(session)[0]
+    try:
+        text, _, _ = complete(server, prompt, max_tokens=4)  # well within its time
+        assert text == woodcock_text(session, prompt, 4)
+        statuses = []
+
+        def long_request():
+            try:
+                complete(server, prompt, max_tokens=900)
+                statuses.append(200)
+            except openai.APIStatusError as e:
+                statuses.append(e.status_code)
+                assert e.code == "timeout" and "--request-timeout 0.25" in e.message
+
+        threads = [threading.Thread(target=long_request) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)
+        # behind three long requests: its time runs out in the queue, the stream ends in error
+        stream = server.client().completions.create(
+            model=server.model, prompt=prompt, max_tokens=900, temperature=0, stream=True
+        )
+        with pytest.raises(openai.APIError, match="--request-timeout"):
+            list(stream)
+        for thread in threads:
+            thread.join(30)
+        assert 504 in statuses and len(statuses) == 3
+        assert server.metric("timed_out_requests") >= 2
+        assert server.metric("request_errors") >= 2
+        text, _, _ = complete(server, prompt, max_tokens=4)  # the model is free again
+        assert text == woodcock_text(session, prompt, 4)
+    finally:
+        server.stop()
+
+
+def test_metrics_report_occupancy_queue_wait_and_tokens_per_round(pool_server, session):  # noqa: F811
+    complete(pool_server, turns(session)[0])
+    _, _, text = request(pool_server, "GET", "/metrics")
+    text = text.decode()
+    for summary in ("queue_wait_seconds", "tokens_per_round"):
+        assert f"# TYPE woodcock_{summary} summary" in text
+    assert gauge(pool_server, "queue_wait_seconds_count") >= 1
+    assert gauge(pool_server, "queue_wait_seconds_sum") >= 0
+    rounds = gauge(pool_server, "tokens_per_round_count")
+    assert rounds >= 1 and gauge(pool_server, "tokens_per_round_sum") / rounds >= 1
+    assert gauge(pool_server, "max_batch_size") == 1
+    assert gauge(pool_server, "running_requests") == gauge(pool_server, "batch_occupancy") == 0
+    for counter in ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_evictions"):
+        assert f"# TYPE woodcock_{counter}_total counter" in text
