@@ -11,9 +11,11 @@ import openai
 import pytest
 from test_serve import Server, demo, request, session, woodcock_text  # noqa: F401 (fixtures)
 
+from woodcock.errors import DrafterError
 from woodcock.runtime.generate import encode_prompt, generate
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
+from woodcock.serve import serve
 from woodcock.serve.engine import Engine
 from woodcock.serve.request import GenerationRequest
 
@@ -114,13 +116,15 @@ def test_the_pool_evicts_the_least_recently_used_beyond_its_size(demo, session, 
         complete(server, a)
         complete(server, b)
         assert gauge(server, "prefix_cache_entries") == 2
-        assert complete(server, a)[1] == len(a) - 1  # A, not the last one, is reused: now B is
-        assert server.metric("prefix_cache_evictions") == 0  # the least recently used
+        expected = cold(session, a)[0]
+        # A, not the last one, is reused (now B is the least recently used)
+        assert complete(server, a)[:2] == (expected, len(a) - 1)
+        assert server.metric("prefix_cache_evictions") == 0
         complete(server, c)
         assert server.metric("prefix_cache_evictions") == 1
         assert gauge(server, "prefix_cache_entries") == 2
         assert 0 < gauge(server, "prefix_cache_bytes") <= limit
-        assert complete(server, a)[1] == len(a) - 1  # A was kept
+        assert complete(server, a)[:2] == (expected, len(a) - 1)  # A was kept, and still is A
         text, cached, _ = complete(server, b)  # B went: prefilled again, the same answer
         assert cached < len(b) - 1 and text == cold(session, b)[0]
         assert server.metric("prefix_cache_evictions") == 2
@@ -179,3 +183,11 @@ def test_metrics_report_occupancy_queue_wait_and_tokens_per_round(pool_server, s
     assert gauge(pool_server, "running_requests") == gauge(pool_server, "batch_occupancy") == 0
     for counter in ("prefix_cache_hits", "prefix_cache_misses", "prefix_cache_evictions"):
         assert f"# TYPE woodcock_{counter}_total counter" in text
+
+
+def test_bad_pool_and_timeout_options_are_refused_before_loading(demo):  # noqa: F811
+    target, drafter = str(demo / "target"), str(demo / "drafter")
+    with pytest.raises(DrafterError, match="--prefix-cache-gb -1"):
+        serve(target, drafter, port=0, prefix_cache_gb=-1)
+    with pytest.raises(DrafterError, match="--request-timeout 0"):
+        serve(target, drafter, port=0, request_timeout=0)

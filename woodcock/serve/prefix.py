@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache as MlxLmKVCache
 from woodcock.runtime.layers import KVCache
 
 KV_CACHES = (KVCache, MlxLmKVCache)  # caches whose state is keys, values and offset
+SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def shared_prefix(a, b) -> int:
@@ -48,9 +49,15 @@ def detached(value, sizes: list[int] | None = None):
                 sizes.append(copy.keys.nbytes + copy.values.nbytes)
         return copy
     if kind is list or kind is tuple:
-        return kind(detached(item, sizes) for item in value)
+        return kind(item if type(item) in SCALARS else detached(item, sizes) for item in value)
     if kind is dict:
-        return {key: detached(item, sizes) for key, item in value.items()}
+        # a prompt lookup's n-gram table has tens of thousands of entries: copied whole, then
+        # only values that are not scalars are detached
+        copy = dict(value)
+        for key, item in value.items():
+            if type(item) not in SCALARS:
+                copy[key] = detached(item, sizes)
+        return copy
     return value
 
 
