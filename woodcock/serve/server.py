@@ -3,6 +3,7 @@ the app under uvicorn until interrupted."""
 
 from __future__ import annotations
 
+import math
 import socket
 import sys
 
@@ -108,10 +109,10 @@ def serve(
         raise DrafterError(f"--queue-size {queue_size}: expected at least 1")
     if max_tokens < 1:
         raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
-    if not prefix_cache_gb >= 0:
-        raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected at least 0")
-    if request_timeout is not None and not request_timeout > 0:
-        raise DrafterError(f"--request-timeout {request_timeout}: expected more than 0 seconds")
+    if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
+        raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected a number at least 0")
+    if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
+        raise DrafterError(f"--request-timeout {request_timeout}: expected a number of seconds > 0")
     prefix_cache = prefix_cache and prefix_cache_gb > 0
     source, drafter, model_id = resolve_served_pair(target, drafter, plain=plain)
     sock = _listening_socket(host, port)
