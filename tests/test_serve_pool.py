@@ -2,21 +2,26 @@
 client, on the offline demo pair (EAGLE-3 drafter and prompt lookup): a request reuses the
 cached rows of any recent conversation, not only the last one, and answers token for token as
 it does cold; the pool evicts the least recently used beyond its size; request timeouts; the
-metrics that count all of these."""
+metrics that count all of these; and a pooled cache stays as it was while a request that took
+it over rolls back and writes."""
 
 import threading
 import time
 
+import mlx.core as mx
 import openai
 import pytest
+from mlx_lm.models.cache import KVCache as MlxLmKVCache
 from test_serve import Server, demo, request, session, woodcock_text  # noqa: F401 (fixtures)
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.generate import encode_prompt, generate
+from woodcock.runtime.layers import KVCache
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
 from woodcock.serve import serve
 from woodcock.serve.engine import Engine
+from woodcock.serve.prefix import detached
 from woodcock.serve.request import GenerationRequest
 
 TURN_TOKENS = 20
@@ -191,3 +196,25 @@ def test_bad_pool_and_timeout_options_are_refused_before_loading(demo):  # noqa:
         serve(target, drafter, port=0, prefix_cache_gb=-1)
     with pytest.raises(DrafterError, match="--request-timeout 0"):
         serve(target, drafter, port=0, request_timeout=0)
+
+
+@pytest.mark.parametrize("kind", [KVCache, MlxLmKVCache])
+def test_a_detached_cache_keeps_its_rows_while_the_live_one_rolls_back_and_writes(kind):
+    def rows(value, n):
+        return mx.full((1, 2, n, 4), value), mx.full((1, 2, n, 4), -value)
+
+    def keep(cache, length):  # the two caches' trims count differently
+        cache.trim(length) if kind is KVCache else cache.trim(cache.offset - length)
+
+    live = kind()
+    live.update_and_fetch(*rows(1.0, 5))
+    entry = detached([live])
+    keep(live, 2)
+    live.update_and_fetch(*rows(2.0, 3))  # written in place, over rows the entry holds
+    taken = detached(entry)
+    keep(taken[0], 3)
+    taken[0].update_and_fetch(*rows(3.0, 4))
+    assert entry[0].offset == 5 and mx.all(entry[0].keys == 1).item()
+    assert mx.all(entry[0].values == -1).item()
+    assert live.keys[0, 0, :5, 0].tolist() == [1, 1, 2, 2, 2]
+    assert taken[0].keys[0, 0, :7, 0].tolist() == [1, 1, 1, 3, 3, 3, 3]

@@ -45,9 +45,7 @@ def create_app(
     (the drafter and policy, say). request_timeout: seconds from a request's arrival (queue
     wait included) after which it is cancelled: answered 504 `timeout`, or, streamed, ended
     with an error event; None: no limit."""
-    handlers = _Handlers(
-        worker, model_id, default_max_tokens, description or {}, request_timeout
-    )
+    handlers = _Handlers(worker, model_id, default_max_tokens, description or {}, request_timeout)
     routes = [
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
@@ -187,7 +185,7 @@ class _Handlers:
         gauges = {
             "queue_waiting": ("Requests waiting for the model", worker.waiting),
             "queue_size": ("Most requests that may wait (--queue-size)", worker.queue_size),
-            "busy": ("1 while a request is generating", int(worker.running is not None)),
+            "busy": ("1 while a request is generating", running),
             "running_requests": ("Requests generating now", running),
             "max_batch_size": ("Most requests that generate at once", MAX_BATCH),
             "batch_occupancy": ("Running requests over the most that may run", running / MAX_BATCH),
