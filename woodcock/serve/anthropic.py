@@ -16,10 +16,10 @@ from woodcock.serve.request import (
     GenerationRequest,
     ModelFacts,
     RequestError,
-    _content_text,
-    _messages,
-    _stop,
+    chat_messages,
+    content_text,
     parse_request,
+    stop_strings,
 )
 
 # Fields that would change the answer in ways this server does not implement, each with the
@@ -65,7 +65,7 @@ def _conversation(body: dict) -> list[dict]:
                 param=f"messages[{i}].role",
                 code="invalid_value",
             )
-    conversation = _messages(body)
+    conversation = chat_messages(body)
     if conversation[-1]["role"] == "assistant":
         last = len(conversation) - 1
         raise RequestError(
@@ -75,7 +75,7 @@ def _conversation(body: dict) -> list[dict]:
             code="unsupported_parameter",
         )
     system = body.get("system")
-    if system is not None and (text := _content_text(system, "system")):
+    if system is not None and (text := content_text(system, "system")):
         conversation.insert(0, {"role": "system", "content": text})
     return conversation
 
@@ -83,7 +83,7 @@ def _conversation(body: dict) -> list[dict]:
 def _parse_as_chat(body: dict, facts: ModelFacts, max_tokens) -> GenerationRequest:
     _refuse_unsupported(body)
     chat = {name: body.get(name) for name in ("model", "temperature", "top_p", "top_k", "stream")}
-    stop = list(_stop(body, "stop_sequences"))
+    stop = list(stop_strings(body, "stop_sequences"))
     chat.update(messages=_conversation(body), max_tokens=max_tokens, stop=stop)
     return replace(parse_request(chat, "chat.completions", facts), endpoint="messages")
 

@@ -241,7 +241,7 @@ def _logit_bias(body: dict, facts: ModelFacts) -> dict[int, float] | None:
     return parsed or None
 
 
-def _content_text(content, param: str) -> str:
+def content_text(content, param: str) -> str:
     """A message's content: a string, or text parts [{"type": "text", "text": ...}]."""
     if isinstance(content, str):
         return content
@@ -270,7 +270,7 @@ def _content_text(content, param: str) -> str:
     )
 
 
-def _messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
         raise RequestError(
@@ -306,7 +306,7 @@ def _messages(body: dict) -> list[dict]:
                 param=f"{param}.tool_calls",
                 code="unsupported_parameter",
             )
-        text = _content_text(message.get("content"), f"{param}.content")
+        text = content_text(message.get("content"), f"{param}.content")
         # templates know system turns; OpenAI's developer role is the newer name for them
         conversation.append({"role": "system" if role == "developer" else role, "content": text})
     return conversation
@@ -350,7 +350,7 @@ def _prompt_ids(body: dict, facts: ModelFacts) -> list[int]:
     return ids
 
 
-def _stop(body: dict, name: str = "stop") -> tuple[str, ...]:
+def stop_strings(body: dict, name: str = "stop") -> tuple[str, ...]:
     stop = body.get(name)
     if stop is None:
         return ()
@@ -405,7 +405,7 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
         top_p=_number(body, "top_p", 0.0, low=0, high=1),
         top_k=_number(body, "top_k", 0, low=0, integer=True),
         min_p=_number(body, "min_p", 0.0, low=0, high=1),
-        stop=_stop(body),
+        stop=stop_strings(body),
         seed=_number(body, "seed", None, integer=True),
         stream=stream,
         include_usage=include_usage,
@@ -417,7 +417,7 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
     )
     if endpoint == "chat.completions":
         prompt_field = "messages"
-        conversation = _messages(body)
+        conversation = chat_messages(body)
         if not facts.tokenizer.has_chat_template:
             raise RequestError(
                 "messages: the target has no chat template; send the text to /v1/completions",
