@@ -492,10 +492,19 @@ def serve(
         typer.Option(
             "--queue-size",
             min=1,
-            help="Requests that may wait behind the running one; more are answered 503 with"
+            help="Requests that may wait behind the running ones; more are answered 503 with"
             " Retry-After.",
         ),
     ] = 8,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            "--max-batch",
+            min=1,
+            help="Requests that decode together, each with its own speculation, verified in one"
+            " batched forward (1: one at a time).",
+        ),
+    ] = 1,
     prefix_cache: Annotated[
         bool,
         typer.Option(
@@ -542,7 +551,8 @@ def serve(
 ) -> None:
     """Serve the pair over OpenAI's API (/v1/chat/completions, /v1/completions) and Anthropic's
     (/v1/messages, /v1/messages/count_tokens), streamed or not, plus /v1/models, /health and
-    /metrics, with speculative decoding; one request at a time from a bounded queue."""
+    /metrics, with speculative decoding; one request at a time, or up to --max-batch together,
+    from a bounded queue."""
     from woodcock.serve import serve as run_server
 
     configure_tf32(allow_tf32)
@@ -554,6 +564,7 @@ def serve(
         host=host,
         port=port,
         queue_size=queue_size,
+        max_batch=max_batch,
         prefix_cache=prefix_cache,
         prefix_cache_gb=prefix_cache_gb,
         request_timeout=request_timeout,

@@ -16,6 +16,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from woodcock.runtime.batch import SequenceBatch
 from woodcock.runtime.ngram import PromptLookup
 from woodcock.runtime.sampling import (
     LogitsProcessor,
@@ -156,6 +157,7 @@ def speculative_generate_step(
     cancelled: Callable[[], bool] | None = None,
     logits_processors: Sequence[LogitsProcessor] = (),
     logprobs: bool = False,
+    key: mx.array | None = None,
 ) -> Iterator[tuple[int, bool]] | Iterator[tuple[int, bool, mx.array]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. The policy
     (woodcock.runtime.policy) says how far to draft; lookup: rounds whose recent tokens repeat
@@ -174,46 +176,200 @@ def speculative_generate_step(
     every position with the tokens before it (the prompt and what was emitted, then the drafts
     before the row in a verification), so drafts are judged against the distribution plain
     decoding with them samples. logprobs: yield (token, from_draft, the target's log-probabilities
-    at the token's position [V], as `mlx_lm.generate.generate_step` yields them)."""
-    if not 0 <= cached < len(prompt) or cached > target.offset:
-        raise ValueError(
-            f"cached = {cached}: expected fewer than the prompt's {len(prompt)} tokens and at"
-            f" most the {target.offset} in the target's cache"
-        )
-    stats = stats if stats is not None else Stats()
-    # the tokens before the next position, for the processors
-    history = list(prompt) if logits_processors else None
-    process = None
-    if logits_processors:
-
-        def process(proposed: list[int], logits: mx.array) -> mx.array:
-            return process_logits(logits_processors, history, proposed, logits)
-
-    started = _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled, process)
-    if started is None:
+    at the token's position [V], as `mlx_lm.generate.generate_step` yields them). key: the PRNG
+    key of this generation's draws (None: MLX's global random state)."""
+    sequence = SpeculativeSequence(
+        prompt,
+        target,
+        drafter,
+        policy=policy,
+        sampling=sampling,
+        stats=stats,
+        lookup=lookup,
+        logits_processors=logits_processors,
+        logprobs=logprobs,
+        key=key,
+    )
+    first = sequence.start(cached, cancelled)
+    if first is None:
         return
-    anchor, logits = started
-    if history is not None:
-        history.append(anchor.item())
-    yield (anchor.item(), False, log_softmax(logits[0])) if logprobs else (anchor.item(), False)
+    yield from first
     while not (cancelled is not None and cancelled()):
-        context = target.offset + 1
+        tokens = sequence.propose()  # [k+1]: the anchor, then the proposal
         start = time.perf_counter()
-        proposal = _propose(context, policy, drafter, lookup, sampling)  # tokens [k]
-        drafted_at = time.perf_counter()
-        accepted, bonus, taps, logits = _verify(
-            target, drafter, anchor, proposal, sampling, process
+        sequence.judge(*target.forward(tokens))  # logits [k+1, V], taps [k+1, A*Ht]
+        mx.eval(sequence.verdict)
+        yield from sequence.commit(time.perf_counter() - start)
+
+
+def batched_round(batch: SequenceBatch, sequences: list[SpeculativeSequence]) -> list[list]:
+    """One round of every sequence of a batch (each holding its rows in `batch`, in any order):
+    each proposes, the target verifies all proposals in one forward, each keeps its own
+    accepted prefix. Each sequence's steps, as `speculative_generate_step` yields them."""
+    in_rows = sorted(sequences, key=lambda sequence: sequence.rows.row)
+    tokens = [sequence.propose() for sequence in in_rows]  # each [k_i + 1]
+    start = time.perf_counter()
+    for sequence, verified in zip(in_rows, batch.forward(tokens), strict=True):
+        sequence.judge(*verified)
+    mx.eval([array for sequence in in_rows for array in sequence.verdict])
+    seconds = time.perf_counter() - start  # the round's forward, shared by all
+    return [sequence.commit(seconds) for sequence in sequences]
+
+
+class SpeculativeSequence:
+    """One generation between rounds: it proposes the tokens to verify, judges the target's
+    logits for them and keeps what it accepts. `speculative_generate_step` runs one alone on the
+    target's own cache; woodcock.serve.batching verifies several in one forward, each sequence
+    holding its rows in a woodcock.runtime.batch Slot (`rows`), its own drafter and lookup.
+    Arguments as for `speculative_generate_step`."""
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        target: MlxTarget,
+        drafter: RuntimeDrafter,
+        *,
+        policy: DraftPolicy,
+        sampling: Sampling = GREEDY,
+        stats: Stats | None = None,
+        lookup: PromptLookup | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
+        logprobs: bool = False,
+        key: mx.array | None = None,
+    ):
+        self.prompt, self.target, self.drafter, self.lookup = list(prompt), target, drafter, lookup
+        self.policy, self.sampling, self.logprobs = policy, sampling, logprobs
+        self.stats = stats if stats is not None else Stats()
+        self.rows = target  # what holds the target's rows of this sequence (offset, rollback)
+        self._processors = list(logits_processors)
+        # the tokens before the next position, for the processors
+        self._history = list(prompt) if logits_processors else None
+        self._key = None if sampling.greedy else key
+        self._anchor: mx.array | None = None  # the last emitted token, not yet in the caches
+        self._proposal: Proposal | None = None
+        self._draft_seconds = 0.0
+        self.verdict: list[mx.array] = []  # judge's lazy (accepted, bonus, taps)
+        self._logits: mx.array | None = None
+
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        return self.sampling.sample(logits, key=self._next_key())
+
+    def _process(self, proposed: list[int], logits: mx.array) -> mx.array:
+        if not self._processors:
+            return logits
+        return process_logits(self._processors, self._history, proposed, logits)
+
+    def _steps(self, tokens: list[int], accepted: int, logits: mx.array) -> list[tuple]:
+        """What the stream yields for the emitted tokens (logits [len(tokens), V], row i the
+        one token i was judged by)."""
+        if self._history is not None:
+            self._history.extend(tokens)
+        if not self.logprobs:
+            return [(token, i < accepted) for i, token in enumerate(tokens)]
+        rows = log_softmax(logits)
+        return [(token, i < accepted, rows[i]) for i, token in enumerate(tokens)]
+
+    def start(
+        self, cached: int = 0, cancelled: Callable[[], bool] | None = None
+    ) -> list[tuple] | None:
+        """Prefill what the caches do not hold yet on the target's own cache: the stream's first
+        step, or None when cancelled during the prefill."""
+        prompt, target, drafter, lookup = self.prompt, self.target, self.drafter, self.lookup
+        if not 0 <= cached < len(prompt) or cached > target.offset:
+            raise ValueError(
+                f"cached = {cached}: expected fewer than the prompt's {len(prompt)} tokens and at"
+                f" most the {target.offset} in the target's cache"
+            )
+        cached = cached if cached and target.truncate(cached) else 0
+        for part in [drafter] if lookup is None else [drafter, lookup]:
+            if cached:
+                part.trim(cached)
+            else:
+                part.reset()
+        if not cached:
+            target.reset()
+        start = time.perf_counter()
+        prefilled = _prefill(target, mx.array(prompt[cached:]), cancelled)  # [V], [P - c, A*Ht]
+        if prefilled is None:
+            target.reset()
+            drafter.reset()
+            return None
+        logits, taps = prefilled
+        logits = self._process([], logits[None])  # [1, V]
+        anchor = self._sample(logits[0])
+        context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
+        drafter.add_context(context_tokens, taps)
+        mx.eval(anchor)
+        if lookup is not None:
+            lookup.add_context(context_tokens)
+        self.stats.prompt_tokens, self.stats.prompt_seconds = (
+            len(prompt),
+            time.perf_counter() - start,
         )
-        _commit(target, drafter, lookup, proposal, accepted, bonus, taps)
-        proposal.observed_by(policy, accepted)
-        stats.record(proposal, accepted, drafted_at - start, time.perf_counter() - drafted_at)
-        emitted = proposal.tokens[:accepted].tolist() + [bonus.item()]
-        if history is not None:
-            history.extend(emitted)
-        rows = log_softmax(logits) if logprobs else None  # [k+1, V]: emitted token i's row i
-        for i, token in enumerate(emitted):
-            yield (token, i < accepted, rows[i]) if logprobs else (token, i < accepted)
-        anchor = bonus
+        self.stats.cached_tokens = cached
+        self._anchor = anchor
+        return self._steps([anchor.item()], 0, logits)
+
+    def propose(self) -> mx.array:
+        """This round's tokens to verify [k+1]: the anchor, then the drafts and copies."""
+        start = time.perf_counter()
+        context = self.rows.offset + 1
+        self._proposal = _propose(context, self.policy, self.drafter, self.lookup, self._sample)
+        self._draft_seconds = time.perf_counter() - start
+        return mx.concatenate([self._anchor[None].astype(mx.int32), self._proposal.tokens])
+
+    def judge(self, logits: mx.array, taps: mx.array) -> None:
+        """The target's logits [k+1, V] and taps [k+1, A*Ht] for `propose`'s tokens -> `verdict`:
+        lazy (accepted drafts m, the token after them, taps), to evaluate before `commit`."""
+        proposal = self._proposal
+        tokens = proposal.tokens
+        k = tokens.shape[0]
+        if self._processors:
+            logits = self._process(tokens.tolist(), logits)
+        if k == 0:
+            m, bonus = mx.array(0), self._sample(logits[0])
+        elif self.sampling.greedy:
+            choice = mx.argmax(logits, axis=-1)
+            m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
+            bonus = choice[m]
+        else:
+            vocab, d = logits.shape[-1], proposal.drafts.shape[0]
+            q = mx.zeros((d, vocab))  # [d, V]: the drafter's distributions; copies are one-hot
+            if d:
+                q[:, self.drafter.head_target_ids] = self.sampling.probabilities(
+                    proposal.draft_logits
+                )
+            copies = mx.arange(vocab)[None, :] == mx.array(proposal.copied, mx.int32)[:, None]
+            q = mx.concatenate([q, copies.astype(q.dtype)])  # [k, V]
+            m, bonus = accept_drafts(
+                tokens, q, self.sampling.probabilities(logits), key=self._next_key()
+            )
+        self._logits = logits
+        self.verdict = [m, bonus, taps]
+
+    def commit(self, verify_seconds: float) -> list[tuple]:
+        """Keep the judged round (its verdict evaluated): drop the rejected rows from the
+        target's cache; the accepted tokens and the bonus join the drafter's (and prompt
+        lookup's) context. The steps the stream yields for them."""
+        m, bonus, taps = self.verdict
+        proposal, accepted = self._proposal, m.item()
+        self.rows.rollback(proposal.tokens.shape[0] - accepted)
+        kept = mx.concatenate([proposal.tokens[:accepted], bonus[None].astype(mx.int32)])
+        self.drafter.add_context(kept, taps[: accepted + 1])
+        if self.lookup is not None:
+            self.lookup.add_context(kept)
+        proposal.observed_by(self.policy, accepted)
+        self.stats.record(proposal, accepted, self._draft_seconds, verify_seconds)
+        self._anchor, self.verdict = bonus, []
+        return self._steps(
+            proposal.tokens[:accepted].tolist() + [bonus.item()], accepted, self._logits
+        )
 
 
 @dataclass
@@ -241,40 +397,7 @@ class Proposal:
             policy.observe_extension(len(self.copied), accepted - d)
 
 
-def _start(prompt, target, drafter, lookup, sampling, stats, cached, cancelled, process):
-    """Prefill what the caches do not hold yet; the first token (the anchor) and the logits it
-    was sampled from [1, V], or None when cancelled during the prefill."""
-    cached = cached if cached and target.truncate(cached) else 0
-    parts = [drafter] if lookup is None else [drafter, lookup]
-    for part in parts:
-        if cached:
-            part.trim(cached)
-        else:
-            part.reset()
-    if not cached:
-        target.reset()
-    start = time.perf_counter()
-    prefilled = _prefill(target, mx.array(prompt[cached:]), cancelled)  # [V], [P - c, A*Ht]
-    if prefilled is None:
-        target.reset()
-        drafter.reset()
-        return None
-    logits, taps = prefilled
-    logits = logits[None]
-    if process is not None:
-        logits = process([], logits)
-    anchor = sampling.sample(logits[0])
-    context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
-    drafter.add_context(context_tokens, taps)
-    mx.eval(anchor)
-    if lookup is not None:
-        lookup.add_context(context_tokens)
-    stats.prompt_tokens, stats.prompt_seconds = len(prompt), time.perf_counter() - start
-    stats.cached_tokens = cached
-    return anchor, logits
-
-
-def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
+def _propose(context, policy, drafter, lookup, sample) -> Proposal:
     """A copy when the recent tokens repeat and the policy takes it, else the drafter's drafts
     (none: a plain decoding step), extended by a copy when they close a repeat."""
     copy = lookup.copy_length() if lookup is not None else 0
@@ -283,7 +406,7 @@ def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
         return Proposal(*NO_DRAFTS, lookup.continuation(copy), copy_round=True)
     drafts, draft_logits = NO_DRAFTS
     if length := policy.draft_length(context):
-        drafts, draft_logits = drafter.propose(length, sampling.sample)
+        drafts, draft_logits = drafter.propose(length, sample)
         if policy.needs_scores:
             drafts, draft_logits = _verified_prefix(policy, context, drafter, drafts, draft_logits)
     mx.eval(drafts, draft_logits)  # [d], [d, Vh]
@@ -295,43 +418,6 @@ def _propose(context, policy, drafter, lookup, sampling) -> Proposal:
             more = policy.extension_length(context, d, more) if more else 0
             copied = lookup.continuation(more, drafted) if more else []
     return Proposal(drafts, draft_logits, copied, copy_round=False)
-
-
-def _verify(target, drafter, anchor, proposal: Proposal, sampling, process):
-    """One target forward over [anchor, proposal]: (accepted drafts m, the token after them,
-    the verified rows' taps [k+1, A*Ht], the logits they were judged by [k+1, V]). process: the
-    logits processors over the rows, or None."""
-    tokens = proposal.tokens
-    k = tokens.shape[0]
-    logits, taps = target.forward(mx.concatenate([anchor[None].astype(mx.int32), tokens]))
-    if process is not None:
-        logits = process(tokens.tolist(), logits)
-    if k == 0:  # logits [k+1, V]
-        m, bonus = mx.array(0), sampling.sample(logits[0])
-    elif sampling.greedy:
-        choice = mx.argmax(logits, axis=-1)
-        m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
-        bonus = choice[m]
-    else:
-        vocab, d = logits.shape[-1], proposal.drafts.shape[0]
-        q = mx.zeros((d, vocab))  # [d, V]: the drafter's distributions; copies are one-hot
-        if d:
-            q[:, drafter.head_target_ids] = sampling.probabilities(proposal.draft_logits)
-        copies = mx.arange(vocab)[None, :] == mx.array(proposal.copied, mx.int32)[:, None]
-        q = mx.concatenate([q, copies.astype(q.dtype)])  # [k, V]
-        m, bonus = accept_drafts(tokens, q, sampling.probabilities(logits))
-    mx.eval(m, bonus, taps)
-    return m.item(), bonus, taps, logits
-
-
-def _commit(target, drafter, lookup, proposal: Proposal, accepted: int, bonus, taps) -> None:
-    """Drop the rejected rows from the target's cache; the accepted tokens and the bonus join
-    the drafter's (and prompt lookup's) context."""
-    target.rollback(proposal.tokens.shape[0] - accepted)
-    kept = mx.concatenate([proposal.tokens[:accepted], bonus[None].astype(mx.int32)])
-    drafter.add_context(kept, taps[: accepted + 1])
-    if lookup is not None:
-        lookup.add_context(kept)
 
 
 def _verified_prefix(

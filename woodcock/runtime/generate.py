@@ -87,6 +87,86 @@ class Generation:
         return len(self.tokens) / self.generation_seconds if self.generation_seconds else 0.0
 
 
+class TextStream:
+    """Plain decoding's stop rules over tokens given one at a time (`add`): end before an EOS
+    token, after max_tokens, or where a stop string begins (the text is cut there). Text that
+    could still become a stop string is held back from `on_text`.
+
+    logprobs: None, or each token comes with the target's log-probabilities at its position [V]
+    and the result's `logprobs` has each token's entry with the `logprobs` most likely tokens;
+    `on_text` then gets LoggedText pieces carrying the entries consumed since the last piece (a
+    last empty piece carries those no text came with)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        logprobs: int | None = None,
+    ):
+        self.result = Generation()
+        self.done = False
+        self._tokenizer, self._max_tokens, self._stop = tokenizer, max_tokens, stop
+        self._on_text, self._logprobs = on_text, logprobs
+        self._detokenizer = tokenizer.detokenizer
+        self._detokenizer.reset()
+        self._eos = set(tokenizer.eos_token_ids)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._shown, self._cut, self._sent = 0, -1, 0
+        self._entries: list[TokenLogprob] = []
+
+    def add(self, token: int, logprobs: mx.array | None = None) -> bool:
+        """One more token (with its log-probabilities when asked for); True once the text is
+        complete (this token and any after it are not part of it)."""
+        result = self.result
+        if self._logprobs is not None and token not in self._eos:
+            self._entries.append(token_logprob(self._tokenizer, token, logprobs, self._logprobs))
+        if token in self._eos:
+            result.finish_reason, self.done = "stop", True
+            return True
+        result.tokens.append(token)
+        self._detokenizer.add_token(token)
+        text = self._detokenizer.text
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._cut = cut
+            result.text, result.finish_reason = text[:cut], "stop"
+            result.stop_string = next(s for s in self._stop if text.find(s) == cut)
+            self.done = True
+            return True
+        if len(text) - self._hold > self._shown:
+            self._show(text[self._shown : len(text) - self._hold])
+            self._shown = len(text) - self._hold
+        self.done = len(result.tokens) == self._max_tokens
+        return self.done
+
+    def close(self) -> Generation:
+        """The text so far, complete or not (a cancelled generation ends here too)."""
+        result = self.result
+        if self._cut < 0:
+            self._detokenizer.finalize()
+            result.text = self._detokenizer.text
+        if len(result.text) > self._shown:
+            self._show(result.text[self._shown :])
+            self._shown = len(result.text)
+        if self._logprobs is not None:
+            result.logprobs = self._entries
+            if self._sent < len(self._entries):
+                self._show("")
+        return result
+
+    def _show(self, text: str) -> None:
+        if self._on_text is None:
+            return
+        if self._logprobs is None:
+            self._on_text(text)
+            return
+        self._on_text(LoggedText(text, self._entries[self._sent :]))
+        self._sent = len(self._entries)
+
+
 def finish_text(
     tokens: Iterable[int],
     tokenizer,
@@ -95,38 +175,12 @@ def finish_text(
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
-    """Consume a token stream with plain decoding's stop rules: end before an EOS token, after
-    max_tokens, or where a stop string begins (the text is cut there). Text that could still
-    become a stop string is held back from `on_text`."""
-    result = Generation()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
-    hold = max((len(s) for s in stop), default=1) - 1
-    shown, cut = 0, -1
+    """A token stream through a TextStream, pulled only as far as the text needs."""
+    text = TextStream(tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text)
     for token in tokens:
-        if token in eos:
-            result.finish_reason = "stop"
+        if text.add(token):
             break
-        result.tokens.append(token)
-        detokenizer.add_token(token)
-        text = detokenizer.text
-        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
-            result.text, result.finish_reason = text[:cut], "stop"
-            result.stop_string = next(s for s in stop if text.find(s) == cut)
-            break
-        if on_text and len(text) - hold > shown:
-            on_text(text[shown : len(text) - hold])
-            shown = len(text) - hold
-        if len(result.tokens) == max_tokens:
-            break
-    if cut < 0:
-        detokenizer.finalize()
-        result.text = detokenizer.text
-    if on_text and len(result.text) > shown:
-        on_text(result.text[shown:])
-    return result
+    return text.close()
 
 
 def generate(
@@ -142,9 +196,10 @@ def generate(
     cancelled: Callable[[], bool] | None = None,
     logits_processors: Sequence[LogitsProcessor] = (),
     logprobs: int | None = None,
+    key: mx.array | None = None,
 ) -> Generation:
-    """cached, cancelled, logits_processors: as for `speculative_generate_step` (a cancelled
-    generation ends with the text so far). logprobs: as for `timed_text`."""
+    """cached, cancelled, logits_processors, key: as for `speculative_generate_step` (a
+    cancelled generation ends with the text so far). logprobs: as for `timed_text`."""
     stats = Stats()
     steps = speculative_generate_step(
         prompt_ids,
@@ -158,6 +213,7 @@ def generate(
         cancelled=cancelled,
         logits_processors=logits_processors,
         logprobs=logprobs is not None,
+        key=key,
     )
     result = timed_text(
         ((step[0], step[2]) for step in steps) if logprobs is not None else (s[0] for s in steps),
@@ -182,48 +238,25 @@ def timed_text(
     on_text: Callable[[str], None] | None = None,
     logprobs: int | None = None,
 ) -> Generation:
-    """`finish_text` over a lazy token stream whose first token comes once the prompt has been
-    processed, with the prompt's and the generation's times and the peak memory.
-
-    logprobs: None, or the stream is of (token, the target's log-probabilities at its position
-    [V]) and the result's `logprobs` has each token's entry with the `logprobs` most likely
-    tokens; `on_text` then gets LoggedText pieces carrying the entries consumed since the last
-    piece (a last empty piece carries those no text came with)."""
+    """A lazy token stream (of (token, log-probabilities [V]) when `logprobs` is given: see
+    TextStream) whose first token comes once the prompt has been processed, through a
+    TextStream, with the prompt's and the generation's times and the peak memory."""
     mx.reset_peak_memory()
     start = time.perf_counter()
-    first_token_at = [0.0]
-    entries: list[TokenLogprob] = []
-    eos = set(tokenizer.eos_token_ids)
-
-    def timed():
-        for i, item in enumerate(tokens):
-            if i == 0:
-                first_token_at[0] = time.perf_counter()
-            if logprobs is None:
-                yield item
-                continue
-            token, row = item
-            if token not in eos:  # the stream ends before an EOS token
-                entries.append(token_logprob(tokenizer, token, row, logprobs))
-            yield token
-
-    sent = 0
-
-    def logged(text: str) -> None:
-        nonlocal sent
-        on_text(LoggedText(text, entries[sent:]))
-        sent = len(entries)
-
-    shown = logged if on_text is not None and logprobs is not None else on_text
-    result = finish_text(timed(), tokenizer, max_tokens=max_tokens, stop=stop, on_text=shown)
-    if logprobs is not None:
-        result.logprobs = entries
-        if on_text is not None and sent < len(entries):
-            logged("")
+    first_token_at = 0.0
+    text = TextStream(
+        tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text, logprobs=logprobs
+    )
+    for item in tokens:
+        if not first_token_at:
+            first_token_at = time.perf_counter()
+        if text.add(*item) if logprobs is not None else text.add(item):
+            break
+    result = text.close()
     end = time.perf_counter()
     result.prompt_tokens = prompt_tokens
-    if first_token_at[0]:
-        result.prompt_seconds = first_token_at[0] - start
-        result.generation_seconds = end - first_token_at[0]
+    if first_token_at:
+        result.prompt_seconds = first_token_at - start
+        result.generation_seconds = end - first_token_at
     result.peak_memory_gb = mx.get_peak_memory() / 1e9
     return result

@@ -49,25 +49,31 @@ class Sampling:
             logprobs = apply_top_k(logprobs, self.top_k)
         return mx.softmax(logprobs * (1 / self.temperature), axis=-1)
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """One token per row of logits [..., V] (argmax when greedy)."""
+    def sample(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
+        """One token per row of logits [..., V] (argmax when greedy). key: a PRNG key to draw
+        with (None: MLX's global random state)."""
         if self.greedy:
             return mx.argmax(logits, axis=-1)
-        return mx.random.categorical(mx.log(self.probabilities(logits)), axis=-1)
+        return mx.random.categorical(mx.log(self.probabilities(logits)), axis=-1, key=key)
 
 
-def accept_drafts(drafts: mx.array, q: mx.array, p: mx.array) -> tuple[mx.array, mx.array]:
+def accept_drafts(
+    drafts: mx.array, q: mx.array, p: mx.array, key: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): drafts [k] were sampled
     from q [k, V]; p [k+1, V] is the target's distribution at each draft and after the last.
     Accept draft i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample
     from normalise(max(p_i - q_i, 0)); if all are accepted, sample the bonus from p_k. The
     emitted tokens are then distributed exactly as the target samples alone.
+    key: a PRNG key to draw with (None: MLX's global random state).
     Returns (number accepted m [scalar], the token after them [scalar])."""
     k = drafts.shape[0]
+    uniform_key, residual_key = (None, None) if key is None else mx.random.split(key)
     rows = mx.arange(k)
     p_draft = p[rows, drafts]
     q_draft = q[rows, drafts]
-    accepted = mx.random.uniform(shape=(k,)) * q_draft < p_draft  # u < p/q, without dividing
+    # u < p/q, without dividing
+    accepted = mx.random.uniform(shape=(k,), key=uniform_key) * q_draft < p_draft
     # index of the first rejection, k when none
     m = mx.argmin(mx.concatenate([accepted, mx.array([False])]).astype(mx.int32))
     residual = mx.maximum(p[:k] - q, 0.0)
@@ -76,7 +82,7 @@ def accept_drafts(drafts: mx.array, q: mx.array, p: mx.array) -> tuple[mx.array,
     # p == q at a rejected row cannot happen (rejection needs p(d) < q(d)), but rounding can
     # leave no mass: fall back to p there.
     chosen = mx.where(chosen.sum() > 0, chosen, p[m])
-    token = mx.random.categorical(mx.log(chosen))
+    token = mx.random.categorical(mx.log(chosen), key=residual_key)
     return m, token
 
 

@@ -111,12 +111,18 @@ class MlxTarget:
     def forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """tokens [T] after the cached ones -> (logits [T, V], taps [T, A*Ht], ascending ids).
         Lazy: nothing is evaluated here."""
-        several_on_cpu = tokens.shape[0] > 1 and mx.default_device().type == mx.cpu
+        logits, taps = self.forward_rows(tokens[None], self.cache)
+        return logits[0], taps[0]
+
+    def forward_rows(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
+        """tokens [B, T] after those `cache` holds (the model's cache list: this target's own,
+        or a woodcock.runtime.batch one) -> (logits [B, T, V], taps [B, T, A*Ht]). Lazy."""
+        several_on_cpu = tokens.size > 1 and mx.default_device().type == mx.cpu
         with recording(self.layers, self.layer_ids) as states, kernels_in_use(several_on_cpu):
-            logits = self.model(tokens[None], cache=self.cache)
+            logits = self.model(tokens, cache=cache)
         if not states:  # a drafter that reads no hidden states (n-gram)
-            return logits[0], mx.zeros((tokens.shape[0], 0))
-        return logits[0], mx.concatenate([s[0] for s in states], axis=-1)
+            return logits, mx.zeros((*tokens.shape, 0))
+        return logits, mx.concatenate(states, axis=-1)
 
     def truncate(self, length: int) -> bool:
         """Keep the first `length` cached tokens (a prefix the next prompt shares), drop the

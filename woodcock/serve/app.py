@@ -28,7 +28,7 @@ from woodcock.serve.request import (
     parse_json_body,
     parse_request,
 )
-from woodcock.serve.worker import MAX_BATCH, GenerationWorker, Job
+from woodcock.serve.worker import GenerationWorker, Job
 
 ENDPOINTS = ("chat.completions", "completions")
 
@@ -174,21 +174,24 @@ class _Handlers:
 
     async def health(self, request):
         worker = self.worker
-        busy = worker.running is not None
+        busy = bool(worker.running)
         return JSONResponse(
             {"status": "ok", "model": self.model_id, "busy": busy, "waiting": worker.waiting}
         )
 
     async def metrics_text(self, request):
         worker = self.worker
-        running = int(worker.running is not None)
+        running = len(worker.running)
         gauges = {
             "queue_waiting": ("Requests waiting for the model", worker.waiting),
             "queue_size": ("Most requests that may wait (--queue-size)", worker.queue_size),
-            "busy": ("1 while a request is generating", running),
+            "busy": ("1 while a request is generating", int(running > 0)),
             "running_requests": ("Requests generating now", running),
-            "max_batch_size": ("Most requests that generate at once", MAX_BATCH),
-            "batch_occupancy": ("Running requests over the most that may run", running / MAX_BATCH),
+            "max_batch_size": ("Most requests that generate at once", worker.max_batch),
+            "batch_occupancy": (
+                "Running requests over the most that may run",
+                running / worker.max_batch,
+            ),
         }
         if (pool := worker.engine.pool) is not None:
             gauges |= {

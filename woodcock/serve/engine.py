@@ -125,8 +125,6 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ):
-        if request.seed is not None:
-            mx.random.seed(request.seed)
         ids, cached = request.prompt_ids, self._take_prefix(request.prompt_ids)
         self.cached_tokens = []  # until this generation says what the caches hold
         processors = make_logits_processors(
@@ -136,6 +134,8 @@ class Engine:
             frequency_penalty=request.frequency_penalty,
         )
         if self.policy is None:
+            if request.seed is not None:
+                mx.random.seed(request.seed)
             result = self._run_plain(request, cached, on_text, cancelled, processors)
         else:
             sampling = Sampling(request.temperature, request.top_p, request.top_k, request.min_p)
@@ -151,6 +151,7 @@ class Engine:
                 cancelled=cancelled,
                 logits_processors=processors,
                 logprobs=request.logprobs,
+                key=None if request.seed is None else mx.random.key(request.seed),
             )
         # the caches hold the first `offset` tokens of the prompt and the stream; the stream
         # may have run past what was kept (a round's drafts after a stop), hence the minimum

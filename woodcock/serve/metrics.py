@@ -31,6 +31,7 @@ class Metrics:
     SUMMARIES = {
         "queue_wait_seconds": "Seconds a request waited in the queue before it started",
         "tokens_per_round": "A request's tokens per speculative round (accepted + 1 on average)",
+        "batch_size": "Requests verified together in a batched round (--max-batch above 1)",
     }
 
     def __init__(self) -> None:

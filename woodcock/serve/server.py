@@ -14,7 +14,7 @@ from woodcock.runtime.machine import machine_facts, warn_slow_paths
 from woodcock.runtime.session import open_session
 from woodcock.serve.engine import DEFAULT_PREFIX_CACHE_GB, Engine
 from woodcock.serve.request import DEFAULT_MAX_TOKENS
-from woodcock.serve.worker import DEFAULT_QUEUE_SIZE, GenerationWorker
+from woodcock.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_QUEUE_SIZE, GenerationWorker
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -51,6 +51,7 @@ def open_engine(
         session = open_session(target, "ngram", dtype=dtype, lookup=False)
         return Engine(session, None, prefix_cache=prefix_cache, prefix_cache_gb=prefix_cache_gb)
     session = open_session(target, drafter, dtype=dtype, lookup=lookup)
+
     def announce(done: int, total: int) -> None:  # called only while measuring
         if done == 1:
             print(
@@ -87,6 +88,7 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     queue_size: int = DEFAULT_QUEUE_SIZE,
+    max_batch: int = DEFAULT_MAX_BATCH,
     prefix_cache: bool = True,
     prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
     request_timeout: float | None = None,
@@ -98,15 +100,18 @@ def serve(
 ) -> None:
     """Open the pair and serve it until interrupted. Errors in what was asked for (paths, the
     policy, the address) raise DrafterError before the server listens. plain: decode with
-    mlx-lm alone (no drafter), the baseline for measuring one. prefix_cache_gb: the prefix
-    pool's limit (0: no prefix cache, as prefix_cache=False). request_timeout: seconds a request
-    may take from its arrival (None: no limit)."""
+    mlx-lm alone (no drafter), the baseline for measuring one; with max_batch > 1 the batched
+    loop decodes without drafts instead. max_batch: requests decoding together. prefix_cache_gb:
+    the prefix pool's limit (0: no prefix cache, as prefix_cache=False). request_timeout:
+    seconds a request may take from its arrival (None: no limit)."""
     import uvicorn
 
     from woodcock.serve.app import create_app  # imports starlette
 
     if queue_size < 1:
         raise DrafterError(f"--queue-size {queue_size}: expected at least 1")
+    if max_batch < 1:
+        raise DrafterError(f"--max-batch {max_batch}: expected at least 1")
     if max_tokens < 1:
         raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
     if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
@@ -127,6 +132,7 @@ def serve(
             prefix_cache_gb=prefix_cache_gb,
         ),
         queue_size=queue_size,
+        max_batch=max_batch,
     )
     try:
         engine = worker.start()
@@ -141,6 +147,7 @@ def serve(
         "prefix_cache": prefix_cache,
         "prefix_cache_gb": prefix_cache_gb if prefix_cache else 0,
         "request_timeout": request_timeout,
+        "max_batch": max_batch,
     }
     app = create_app(
         worker,

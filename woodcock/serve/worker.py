@@ -1,10 +1,12 @@
 """The one thread that owns the model, and the jobs it runs.
 
 MLX streams belong to the thread that made them, so the session is opened in the worker thread
-and every generation runs there, one request at a time in arrival order. At most `queue_size`
-requests wait behind the running one; more are answered 503 with a Retry-After. A streaming
-client that goes away cancels its request, and so does a request's timeout: the speculative
-loop checks between rounds (and prefill chunks), so the model is free again within one round.
+and every generation runs there, in arrival order: one request at a time, or up to `max_batch`
+decoding together (woodcock.serve.batching), a waiting request joining as soon as one leaves.
+At most `queue_size` requests wait behind the running ones; more are answered 503 with a
+Retry-After. A streaming client that goes away cancels its request, and so does a request's
+timeout: the speculative loop checks between rounds (and prefill chunks), so its slot is free
+again within one round.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from woodcock.errors import DrafterError
+from woodcock.serve.batching import Batcher
 from woodcock.serve.engine import Engine
 from woodcock.serve.metrics import Metrics
 from woodcock.serve.request import GenerationRequest
 
 DEFAULT_QUEUE_SIZE = 8
-MAX_BATCH = 1  # requests generating at once
+DEFAULT_MAX_BATCH = 1  # requests generating at once
 
 
 @dataclass
@@ -44,16 +47,25 @@ class Job:
 
 class GenerationWorker:
     """The one thread that touches MLX: it opens the engine with `load`, then runs the queued
-    jobs in arrival order. At most `queue_size` jobs wait behind the running one."""
+    jobs in arrival order, up to `max_batch` at once. At most `queue_size` jobs wait behind the
+    running ones."""
 
-    def __init__(self, load: Callable[[], Engine], *, queue_size: int = DEFAULT_QUEUE_SIZE):
+    def __init__(
+        self,
+        load: Callable[[], Engine],
+        *,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ):
         if queue_size < 1:
             raise DrafterError(f"--queue-size {queue_size}: expected at least 1")
-        self.queue_size = queue_size
+        if max_batch < 1:
+            raise DrafterError(f"--max-batch {max_batch}: expected at least 1")
+        self.queue_size, self.max_batch = queue_size, max_batch
         self.metrics = Metrics()
         self.engine: Engine | None = None
         self.waiting = 0
-        self.running: Job | None = None
+        self.running: list[Job] = []
         self.service_seconds = 0.0  # moving average of a request's time in the worker
         self._load = load
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -64,7 +76,8 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._main, name="woodcock-generation", daemon=True)
 
     def start(self) -> Engine:
-        """Open the engine in the worker thread; its errors (a bad path, policy...) raise here."""
+        """Open the engine in the worker thread; its errors (a bad path, policy, a model that
+        cannot batch...) raise here."""
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
@@ -93,62 +106,125 @@ class GenerationWorker:
         self.metrics.add("timed_out_requests" if timed_out else "cancelled_requests")
 
     def retry_after(self) -> int:
-        """Seconds until a slot is likely free: the running request and those waiting."""
-        return max(1, math.ceil(self.service_seconds * (self.waiting + 1)))
+        """Seconds until a slot is likely free: the running requests and those waiting."""
+        ahead = (self.waiting + len(self.running)) / self.max_batch
+        return max(1, math.ceil(self.service_seconds * ahead))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, drop the waiting ones and end the thread."""
+        """Cancel the running jobs, drop the waiting ones and end the thread."""
         with self._lock:
             self._stopping = True
-            running = self.running
-        if running is not None:
-            running.cancelled.set()
+            running = list(self.running)
+        for job in running:
+            job.cancelled.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
     def _main(self) -> None:
         try:
             self.engine = self._load()
+            batcher = Batcher(self.engine, self.max_batch) if self.max_batch > 1 else None
         except BaseException as e:  # handed to start(), in the main thread
             self._load_error = e
             self._ready.set()
             return
         self._ready.set()
-        while (job := self._jobs.get()) is not None:
+        if batcher is None:
+            self._one_at_a_time()
+        else:
+            self._batched(batcher)
+
+    def _next_job(self, block: bool) -> Job | None:
+        """The next job to run (marked running), None when there is none (without blocking)
+        or the worker stops."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return None
+            if job is None:
+                self._stopping = True
+                return None
             with self._lock:
                 if job.state == "cancelled" or self._stopping:
                     continue
-                job.state, self.running = "running", job
+                job.state = "running"
+                self.running.append(job)
                 self.waiting -= 1
             self.metrics.observe("queue_wait_seconds", time.monotonic() - job.arrived)
+            return job
+
+    def _one_at_a_time(self) -> None:
+        while (job := self._next_job(block=True)) is not None:
             started = time.perf_counter()
-            pool = self.engine.pool
-            evictions = pool.evictions if pool is not None else 0
+            evictions = self._evictions()
             try:
                 on_text = (lambda text: job.emit("text", text)) if job.request.stream else None
                 result = self.engine.run(
                     job.request, on_text=on_text, cancelled=job.cancelled.is_set
                 )
-                if job.cancelled.is_set():  # what was generated for nobody
-                    self.metrics.add("cancelled_completion_tokens", len(result.tokens))
-                else:
-                    self.metrics.record(job.request.endpoint, result)
-                if self.engine.prefix_cache:
-                    hit = result.stats.cached_tokens > 0
-                    self.metrics.add("prefix_cache_hits" if hit else "prefix_cache_misses")
-                if pool is not None:
-                    self.metrics.add("prefix_cache_evictions", pool.evictions - evictions)
-                job.emit("done", result)
+                self._done(job, result, started, evictions)
             except Exception as e:
                 self.engine.cached_tokens = []
-                self.metrics.add("request_errors", status="500")
-                job.emit("error", e)
-            finally:
-                seconds = time.perf_counter() - started
-                self.service_seconds = (
-                    seconds
-                    if not self.service_seconds
-                    else 0.7 * self.service_seconds + 0.3 * seconds
-                )
-                with self._lock:
-                    job.state, self.running = "done", None
+                self._failed(job, e, started)
+
+    def _batched(self, batcher: Batcher) -> None:
+        """Admit waiting jobs while slots are free (waiting for one only when none runs), then
+        one round of all running ones; a job that finished leaves before the next round."""
+        started: dict[int, float] = {}
+        while not self._stopping or batcher.running:
+            while not self._stopping and not batcher.full:
+                job = self._next_job(block=not batcher.running)
+                if job is None:
+                    break
+                started[id(job)], evictions = time.perf_counter(), self._evictions()
+                try:
+                    result = batcher.admit(job)
+                except Exception as e:
+                    self._failed(job, e, started.pop(id(job)))
+                    continue
+                if result is not None:
+                    self._done(job, result, started.pop(id(job)), evictions)
+            if not batcher.running:
+                continue
+            evictions = self._evictions()
+            self.metrics.observe("batch_size", len(batcher.running))
+            try:
+                finished = batcher.round()
+            except Exception as e:
+                for job, _ in batcher.cancel_all():
+                    self._failed(job, e, started.pop(id(job)))
+                continue
+            for job, result in finished:
+                self._done(job, result, started.pop(id(job)), evictions)
+                evictions = self._evictions()
+
+    def _evictions(self) -> int:
+        pool = self.engine.pool
+        return pool.evictions if pool is not None else 0
+
+    def _done(self, job: Job, result, started: float, evictions: int) -> None:
+        if job.cancelled.is_set():  # what was generated for nobody
+            self.metrics.add("cancelled_completion_tokens", len(result.tokens))
+        else:
+            self.metrics.record(job.request.endpoint, result)
+        if self.engine.prefix_cache:
+            hit = result.stats.cached_tokens > 0
+            self.metrics.add("prefix_cache_hits" if hit else "prefix_cache_misses")
+        self.metrics.add("prefix_cache_evictions", self._evictions() - evictions)
+        job.emit("done", result)
+        self._finished(job, started)
+
+    def _failed(self, job: Job, error: Exception, started: float) -> None:
+        self.metrics.add("request_errors", status="500")
+        job.emit("error", error)
+        self._finished(job, started)
+
+    def _finished(self, job: Job, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self.service_seconds = (
+            seconds if not self.service_seconds else 0.7 * self.service_seconds + 0.3 * seconds
+        )
+        with self._lock:
+            job.state = "done"
+            self.running.remove(job)

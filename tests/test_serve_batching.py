@@ -1,0 +1,167 @@
+"""`woodcock serve --max-batch`: requests decoded together, each with its own speculation, over
+loopback with both official clients, streamed and not. Every answer is the one the same request
+gets alone (from this server, and from the one-at-a-time server of test_serve); a request
+cancelled mid-batch leaves the others' answers unchanged; seeds, the prefix pool and plain
+decoding (no drafter) work batched."""
+
+import asyncio
+import http.client
+import json
+import threading
+
+import anthropic
+import pytest
+import test_serve
+from test_serve import PROMPTS, TIMEOUT, Server, completion, mlx_lm_text, woodcock_text
+
+from woodcock.runtime.generate import encode_messages
+from woodcock.serve.batching import Batcher
+from woodcock.serve.engine import Engine
+from woodcock.serve.request import GenerationRequest
+from woodcock.serve.worker import Job
+
+demo, session = test_serve.demo, test_serve.session  # the fixtures, shared
+
+
+@pytest.fixture(scope="module")
+def server(demo, tmp_path_factory):
+    running = Server(demo, tmp_path_factory.mktemp("logs") / "batched.log", max_batch=4, queue_size=16)
+    yield running
+    running.stop()
+
+
+def metric_summary(server, name):
+    _, _, text = test_serve.request(server, "GET", "/metrics")
+    values = dict(line.split() for line in text.decode().splitlines() if line.startswith(f"woodcock_{name}_"))
+    return float(values[f"woodcock_{name}_sum"]), float(values[f"woodcock_{name}_count"])
+
+
+def at_once(calls):
+    """Run the calls in threads released together; their results in order."""
+    results = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def run(i):
+        barrier.wait()
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * TIMEOUT)
+    return results
+
+
+def test_concurrent_answers_are_each_requests_own_with_both_clients(server, session):
+    expected = [woodcock_text(session, session.tokenizer.encode(p), 24) for p in PROMPTS]
+    alone = [completion(server, p) for p in PROMPTS]
+    assert alone == expected
+    assert metric_summary(server, "batch_size")[0] == metric_summary(server, "batch_size")[1]  # one at a time so far
+    anthropic_client = anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=TIMEOUT, max_retries=0)
+    questions = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
+    anthropic_alone = [
+        anthropic_client.messages.create(model=server.model, messages=q, max_tokens=16, extra_body={"temperature": 0}).content[0].text
+        for q in questions
+    ]
+
+    def streamed_message(q):
+        with anthropic_client.messages.stream(model=server.model, messages=q, max_tokens=16, extra_body={"temperature": 0}) as stream:
+            return "".join(stream.text_stream)
+
+    calls = [lambda i=i: completion(server, PROMPTS[i], stream=bool(i % 2)) for i in range(len(PROMPTS))]
+    calls += [lambda q=q: streamed_message(q) for q in questions[:2]]
+    calls += [
+        lambda q=q: anthropic_client.messages.create(model=server.model, messages=q, max_tokens=16, extra_body={"temperature": 0})
+        .content[0]
+        .text
+        for q in questions[2:]
+    ]
+    got = at_once(calls)
+    assert got == expected + anthropic_alone
+    total, rounds = metric_summary(server, "batch_size")
+    assert total > rounds  # some rounds verified several requests together
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(server, session):
+    long_prompt, others = "Paris is", PROMPTS[:3]
+    expected = [completion(server, p, max_tokens=48) for p in others]
+    cancelled = server.metric("cancelled_requests")
+
+    def cancelled_stream():
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+        body = {"prompt": long_prompt, "max_tokens": 600, "stream": True}
+        connection.request("POST", "/v1/completions", body=json.dumps(body))
+        response = connection.getresponse()
+        first = response.readline()
+        connection.close()  # the client goes away after its first chunk
+        return first
+
+    calls = [cancelled_stream] + [lambda p=p: completion(server, p, max_tokens=48) for p in others]
+    got = at_once(calls)
+    assert got[0].startswith(b"data: {")
+    assert got[1:] == expected
+    assert server.metric("cancelled_requests") == cancelled + 1
+    assert server.metric("cancelled_completion_tokens") < 600 // 2  # stopped early
+
+
+def test_seeded_sampling_draws_the_same_alone_and_batched(server):
+    def sampled(prompt, seed):
+        return completion_with(server, prompt, temperature=1.0, seed=seed)
+
+    alone = [sampled(p, 7) for p in PROMPTS[:3]]
+    assert len(set(sampled(PROMPTS[0], s) for s in (1, 2, 3))) > 1  # the seed matters
+    assert at_once([lambda p=p: sampled(p, 7) for p in PROMPTS[:3]]) == alone
+
+
+def completion_with(server, prompt, **fields):
+    answer = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=24, **fields)
+    return answer.choices[0].text
+
+
+def test_a_batched_second_turn_reuses_the_pool(server, session):
+    first = [{"role": "user", "content": "Berlin is the"}]
+    reply = server.client().chat.completions.create(model=server.model, messages=first, max_tokens=24, temperature=0)
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "One, two"},
+    ]
+    ids = encode_messages(session.tokenizer, second)
+    expected = woodcock_text(session, ids, 24)
+    answers = at_once(
+        [lambda: server.client().chat.completions.create(model=server.model, messages=second, max_tokens=24, temperature=0)]
+        + [lambda p=p: completion(server, p) for p in PROMPTS[:2]]
+    )
+    assert answers[0].choices[0].message.content == expected
+    assert answers[0].usage.model_dump()["prompt_tokens_details"]["cached_tokens"] >= len(encode_messages(session.tokenizer, first))
+
+
+def test_plain_decoding_batches_too(session):
+    """No drafter: the batch decodes one token a round per request, mlx-lm's greedy answers."""
+    engine = Engine(session, None, prefix_cache=False)
+    batcher = Batcher(engine, 3)
+    loop = asyncio.new_event_loop()
+    try:
+        ids = [session.tokenizer.encode(p) for p in PROMPTS[:5]]
+        jobs = [Job(GenerationRequest("completions", i, 20), loop) for i in ids]
+        results, waiting = {}, list(jobs)
+        while waiting or batcher.running:
+            while waiting and not batcher.full:
+                job = waiting.pop(0)
+                if (result := batcher.admit(job)) is not None:
+                    results[id(job)] = result
+            for job, result in batcher.round():
+                results[id(job)] = result
+        texts = [results[id(job)].text for job in jobs]
+        assert texts == [mlx_lm_text(session, i, 20) for i in ids]
+        assert all(results[id(job)].stats.drafted == [0] * results[id(job)].stats.rounds for job in jobs)
+    finally:
+        loop.close()
+
+
+def test_max_batch_must_be_at_least_one(demo):
+    from woodcock.errors import DrafterError
+    from woodcock.serve import serve
+
+    with pytest.raises(DrafterError, match="--max-batch 0: expected at least 1"):
+        serve(str(demo / "target"), str(demo / "drafter"), "fixed:4", port=0, max_batch=0)
