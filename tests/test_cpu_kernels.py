@@ -60,6 +60,25 @@ def test_attention_matches_mlx_lm(heads, kv_heads, rows, length, mask):
     )
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
+def test_attention_with_a_mask_per_batch_row_matches_mlx_lm(heads, kv_heads):
+    """The masks of woodcock.runtime.batch: row b's queries at positions lengths[b] + t."""
+    mx.random.seed(heads)
+    lengths, rows = [3, 11, 0], 4
+    length = max(lengths) + rows
+    queries = mx.random.normal((3, heads, rows, 16)) * 2
+    keys = mx.random.normal((3, kv_heads, length, 16)) * 2
+    values = mx.random.normal((3, kv_heads, length, 16))
+    positions = mx.array(lengths)[:, None, None, None] + mx.arange(rows)[None, None, :, None]
+    mask = mx.arange(length)[None, None, None, :] <= positions
+    args = dict(cache=None, scale=0.25, mask=mask)
+    np.testing.assert_allclose(
+        np.array(cpu_kernels.scaled_dot_product_attention(queries, keys, values, **args)),
+        np.array(base.scaled_dot_product_attention(queries, keys, values, **args)),
+        atol=2e-6,
+    )
+
+
 def test_inputs_it_does_not_cover_go_to_mlx_lm_unchanged():
     mx.random.seed(0)
     q, k, v = (

@@ -15,8 +15,8 @@ parameters and mlx-lm's modules are left as they are, and the choice is the call
 own (a context variable), so any other forward of the model, in this thread or another, runs
 mlx-lm's kernels: a single row (plain decoding, like the baseline it is measured against), a
 prompt of plain mlx-lm, training's feature runner. Other families keep mlx-lm's kernels; inputs
-these do not cover (other dtypes, mask arrays, attention sinks, quantized caches) go to
-mlx-lm's functions unchanged.
+these do not cover (other dtypes, additive or per-head masks, attention sinks, quantized caches)
+go to mlx-lm's functions unchanged.
 """
 
 from __future__ import annotations
@@ -98,12 +98,18 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`: queries [B, H, L, D], keys and values
-    [B, Hk, S, D] -> [B, H, L, D], for float32, mask None or "causal" (the L queries are the last
-    L of the S positions)."""
+    [B, Hk, S, D] -> [B, H, L, D], for float32, mask None, "causal" (the L queries are the last
+    L of the S positions) or a boolean array [B, 1, L, S] (True: the query sees the key)."""
     batch, heads, rows, width = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
+    boolean_mask = (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.ndim == 4
+        and mask.shape[1] == 1
+    )
     supported = (
-        (mask is None or (isinstance(mask, str) and mask == "causal"))
+        (mask is None or (isinstance(mask, str) and mask == "causal") or boolean_mask)
         and sinks is None
         and not hasattr(cache, "bits")
         and queries.dtype == keys.dtype == values.dtype == mx.float32
@@ -117,7 +123,9 @@ def scaled_dot_product_attention(
     # query head h reads key head h // groups: a key head's queries are consecutive heads
     grouped = queries.reshape(batch, kv_heads, groups * rows, width)
     scores = grouped @ keys.swapaxes(-1, -2)  # [B, Hk, groups * L, S]
-    if mask is not None:
+    if boolean_mask:  # [B, 1, L, S], one per batch row (woodcock.runtime.batch)
+        scores = mx.where(mx.tile(mask, (1, 1, groups, 1)), scores, -mx.inf)
+    elif mask is not None:
         scores = mx.where(_causal_visibility(rows, length, groups), scores, -mx.inf)
     p, bits = _scaled_exp_parts(scores, scores.max(axis=-1, keepdims=True), scale)
     weights = p * bits.view(mx.float32)

@@ -202,12 +202,15 @@ def speculative_generate_step(
         yield from sequence.commit(time.perf_counter() - start)
 
 
-def batched_round(batch: SequenceBatch, sequences: list[SpeculativeSequence]) -> list[list]:
+def batched_round(
+    batch: SequenceBatch, sequences: list[SpeculativeSequence], longest: int | None = None
+) -> list[list]:
     """One round of every sequence of a batch (each holding its rows in `batch`, in any order):
-    each proposes, the target verifies all proposals in one forward, each keeps its own
-    accepted prefix. Each sequence's steps, as `speculative_generate_step` yields them."""
+    each proposes (at most `longest` tokens), the target verifies all proposals in one forward,
+    each keeps its own accepted prefix. Each sequence's steps, as `speculative_generate_step`
+    yields them."""
     in_rows = sorted(sequences, key=lambda sequence: sequence.rows.row)
-    tokens = [sequence.propose() for sequence in in_rows]  # each [k_i + 1]
+    tokens = [sequence.propose(longest) for sequence in in_rows]  # each [k_i + 1]
     start = time.perf_counter()
     for sequence, verified in zip(in_rows, batch.forward(tokens), strict=True):
         sequence.judge(*verified)
@@ -316,11 +319,21 @@ class SpeculativeSequence:
         self._anchor = anchor
         return self._steps([anchor.item()], 0, logits)
 
-    def propose(self) -> mx.array:
-        """This round's tokens to verify [k+1]: the anchor, then the drafts and copies."""
+    def propose(self, longest: int | None = None) -> mx.array:
+        """This round's tokens to verify [k+1]: the anchor, then the drafts and copies (at most
+        `longest` of them: copies are cut first)."""
         start = time.perf_counter()
         context = self.rows.offset + 1
-        self._proposal = _propose(context, self.policy, self.drafter, self.lookup, self._sample)
+        proposal = _propose(context, self.policy, self.drafter, self.lookup, self._sample)
+        if longest is not None and proposal.tokens.shape[0] > longest:
+            d = min(proposal.drafts.shape[0], longest)
+            proposal = Proposal(
+                proposal.drafts[:d],
+                proposal.draft_logits[:d],
+                proposal.copied[: longest - d],
+                proposal.copy_round,
+            )
+        self._proposal = proposal
         self._draft_seconds = time.perf_counter() - start
         return mx.concatenate([self._anchor[None].astype(mx.int32), self._proposal.tokens])
 

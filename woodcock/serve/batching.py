@@ -30,6 +30,12 @@ from woodcock.runtime.sampling import Sampling, make_logits_processors
 from woodcock.serve.engine import Engine, _kept
 from woodcock.serve.prefix import detached, restore, snapshot
 
+# A batched forward pads every request's rows to the longest proposal, so one long prompt-lookup
+# copy makes every row pay for it: with several requests, proposals are cut at this many tokens
+# (copies first). Default pair, 4 requests, fixed:3, 2 vCPU: 4 requests' rounds were as many
+# with a cut at 3, 5 or none, and the cut rounds a few per cent faster.
+LONGEST_BATCHED_PROPOSAL = 5
+
 
 def own_state(part):
     """A copy of a stateful part (drafter, prompt lookup) whose state is its own and whose
@@ -123,7 +129,9 @@ class Batcher:
         """One speculative round of every running request (one batched forward); the jobs that
         finished (or were cancelled) with their results, out of the batch."""
         sequences = [r.sequence for r in self.running]
-        for r, steps in zip(self.running, batched_round(self.batch, sequences), strict=True):
+        longest = LONGEST_BATCHED_PROPOSAL if len(sequences) > 1 else None
+        rounds = batched_round(self.batch, sequences, longest)
+        for r, steps in zip(self.running, rounds, strict=True):
             self._add(r, steps)
         done = [r for r in self.running if r.text.done or r.job.cancelled.is_set()]
         return [(r.job, self._leave(r)) for r in done]
