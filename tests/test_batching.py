@@ -9,7 +9,13 @@ from test_serve import runtime_pair
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.batch import SequenceBatch
-from woodcock.runtime.decode import SpeculativeSequence, Stats, batched_round, speculative_generate_step
+from woodcock.runtime.decode import (
+    GREEDY,
+    SpeculativeSequence,
+    Stats,
+    batched_round,
+    speculative_generate_step,
+)
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
 from woodcock.serve.batching import own_state
@@ -17,7 +23,7 @@ from woodcock.serve.batching import own_state
 PROMPTS = [list(range(10, 30)), [3, 4, 5], list(range(40, 90)), [7, 7, 7, 8], list(range(60, 33, -1))]
 
 
-def alone(target, drafter, lookup, prompt, max_tokens, sampling=Sampling(), key=None):
+def alone(target, drafter, lookup, prompt, max_tokens, sampling=GREEDY, key=None):
     steps = speculative_generate_step(
         prompt, target, drafter, policy=FixedPolicy(3), lookup=lookup, sampling=sampling, key=key
     )
@@ -28,7 +34,7 @@ def alone(target, drafter, lookup, prompt, max_tokens, sampling=Sampling(), key=
             return tokens
 
 
-def batched(target, drafter, lookup, prompts, max_tokens, *, joins, leaves=None, max_rows=3, sampling=Sampling(), seeds=None):
+def batched(target, drafter, lookup, prompts, max_tokens, *, joins, leaves=None, max_rows=3, sampling=GREEDY, seeds=None, longest=None):
     """Each prompt joins at round joins[i] (when a row is free, else later), runs until
     max_tokens tokens (or leaves[i] rounds after it joined); each one's tokens."""
     batch = SequenceBatch(target, max_rows)
@@ -57,7 +63,7 @@ def batched(target, drafter, lookup, prompts, max_tokens, *, joins, leaves=None,
         round_number += 1
         if not running:
             continue
-        for (i, _), steps in zip(running, batched_round(batch, [s for _, s in running]), strict=True):
+        for (i, _), steps in zip(running, batched_round(batch, [s for _, s in running], longest), strict=True):
             tokens[i] += [step[0] for step in steps]
         for i, sequence in list(running):
             over = leaves[i] is not None and round_number - joined_at[i] >= leaves[i]
@@ -78,6 +84,13 @@ def test_every_sequence_of_a_batch_answers_as_it_does_alone(kind):
     # joining at different rounds, more prompts than rows: the fourth and fifth wait for a slot
     got = batched(target, drafter, lookup, PROMPTS, 24, joins=[0, 0, 2, 3, 3])
     assert got == expected
+
+
+def test_proposals_cut_short_in_a_batch_change_the_speed_only():
+    target, drafter, lookup = runtime_pair("eagle3+lookup")
+    prompts = [list(range(10, 20)) * 3, [5, 6, 7, 5, 6, 7, 5, 6], PROMPTS[2]]  # repeats: long copies
+    expected = [alone(target, drafter, lookup, p, 30) for p in prompts]
+    assert batched(target, drafter, lookup, prompts, 30, joins=[0, 0, 0], longest=2) == expected
 
 
 def test_a_sequence_that_leaves_mid_batch_leaves_the_others_unchanged():

@@ -3,7 +3,8 @@ longest acceptable prefix plus one target token, roll both caches back.
 
 Invariant between rounds: the target's KV cache holds every emitted token except the last one
 (the anchor); the anchor and the drafts are verified together, so the verified rows' hidden
-states are exactly the drafter's next context.
+states are exactly the drafter's next context. The same holds for each sequence of a batch
+(`batched_round`), each with its own rows, drafter state and PRNG key.
 """
 
 from __future__ import annotations
