@@ -117,6 +117,54 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
         distill(str(work / "target"), prompts, data, max_tokens=8, chat=False)
 
 
+def test_distill_answers_a_conversation_through_the_chat_template(work, tmp_path):
+    from woodcock.runtime.generate import encode_messages
+
+    conversation = [
+        {"role": "user", "content": "The quick brown"},
+        {"role": "assistant", "content": "fox jumps"},
+        {"role": "user", "content": "over the"},
+    ]
+    prompts = tmp_path / "conversations.jsonl"
+    prompts.write_text(
+        json.dumps({"id": "c1", "messages": conversation})
+        + "\n"
+        + json.dumps({"id": "p1", "prompt": "over the"})
+        + "\n"
+    )
+    assert read_prompts(prompts)[0] == ("c1", conversation)
+    out = tmp_path / "answers"
+    report = distill(str(work / "target"), prompts, out, max_tokens=MAX_TOKENS, system="Be brief.")
+    assert report.answered == 2
+    model, tokenizer = load(str(work / "target"))
+    rows = {r["id"]: r for r in read_answers(out)}
+    expected = encode_messages(tokenizer, [{"role": "system", "content": "Be brief."}, *conversation])
+    assert rows["c1"]["prompt_ids"] == expected
+    assert rows["c1"]["answer_ids"] == plain_greedy(model, expected, MAX_TOKENS)[: len(rows["c1"]["answer_ids"])]
+    with pytest.raises(DrafterError, match="needs the target's chat template"):
+        distill(str(work / "target"), prompts, tmp_path / "plain", max_tokens=MAX_TOKENS, chat=False)
+
+
+@pytest.mark.parametrize(
+    "messages,message",
+    [
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "odd number of turns"),
+        ("hello", "odd number of turns"),
+        ([{"role": "assistant", "content": "a"}], r"messages\[0\]: expected \{'role': 'user'"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}],
+            r"messages\[1\]: expected \{'role': 'assistant'",
+        ),
+        ([{"role": "user", "content": ""}], r"messages\[0\]"),
+    ],
+)
+def test_bad_conversation_prompts_are_refused_naming_the_turn(tmp_path, messages, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "c", "messages": messages}) + "\n")
+    with pytest.raises(DrafterError, match=f"prompts.jsonl:1: .*{message}"):
+        read_prompts(path)
+
+
 def test_prompts_may_hold_unicode_line_separators(tmp_path):
     # json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; str.splitlines() would cut
     # the record there (real ShareGPT prompts contain them)

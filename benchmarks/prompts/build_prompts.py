@@ -287,7 +287,7 @@ def _hash_order(key: str) -> str:
     return hashlib.sha256(f"woodcock-prompts:{key}".encode()).hexdigest()
 
 
-_UNWANTED = re.compile(
+UNWANTED = re.compile(
     r"https?://|www\.|\S+@\S+\.\w|\d{7,}|[0-9a-f]{16,}|(?-i:\bDAN\b)|\b(jailbreak|nsfw|porn\w*|sex\w*|erotic\w*|nude"
     r"|kill\w*|suicide|drugs?|weapons?)\b",
     re.IGNORECASE,
@@ -310,7 +310,7 @@ def sharegpt_candidates(data: bytes) -> tuple[list[dict], int]:
         if not SHAREGPT_MIN_CHARS <= len(text) <= SHAREGPT_MAX_CHARS or key in seen:
             continue
         seen.add(key)
-        if _UNWANTED.search(text):
+        if UNWANTED.search(text):
             continue
         out.append({"id": conv["id"], "text": text, "lang": detect_language(text)})
     return out, total

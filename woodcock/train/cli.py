@@ -29,7 +29,12 @@ def _warn_slow_paths() -> None:
 @app.command()
 def distill(
     prompts: Annotated[
-        Path, typer.Option("--prompts", help='JSONL file, one {"id", "prompt"} per line.')
+        Path,
+        typer.Option(
+            "--prompts",
+            help='JSONL file, one {"id", "prompt"} per line, or {"id", "messages"}: a'
+            " conversation so far, user and assistant turns alternating, ending with the user's.",
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Output directory (answers.jsonl).")],
     target: DefaultableTarget = None,

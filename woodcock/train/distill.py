@@ -31,7 +31,7 @@ from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
-from woodcock.runtime.generate import encode_prompt
+from woodcock.runtime.generate import encode_messages, encode_prompt
 from woodcock.target_checkpoint import load_mlx_target
 
 ANSWERS = "answers.jsonl"
@@ -53,14 +53,21 @@ class DistillReport:
         return self.answer_tokens / self.seconds if self.seconds else 0.0
 
 
-def read_prompts(path: Path) -> list[tuple[str, str]]:
-    """(id, prompt) per line of a JSONL file of {"id", "prompt"} objects; ids must be unique."""
+ROLES = ("user", "assistant")
+
+
+def read_prompts(path: Path) -> list[tuple[str, str | list[dict]]]:
+    """(id, prompt) per line of a JSONL file of {"id", "prompt"} objects, or {"id", "messages"}
+    for a conversation so far: [{"role", "content"}] from a user turn, roles alternating between
+    "user" and "assistant", ending with the user's turn to answer. Ids must be unique."""
     path = Path(path)
-    prompts: list[tuple[str, str]] = []
+    prompts: list[tuple[str, str | list[dict]]] = []
     seen: set[str] = set()
     for where, row in jsonl_records(path):
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DrafterError(f"{where}: expected an object with a string 'prompt'")
+        if not isinstance(row, dict) or not (
+            isinstance(row.get("prompt"), str) or "messages" in row
+        ):
+            raise DrafterError(f"{where}: expected an object with a string 'prompt' or 'messages'")
         ident = row.get("id")
         if isinstance(ident, int) and not isinstance(ident, bool):
             ident = str(ident)
@@ -69,10 +76,45 @@ def read_prompts(path: Path) -> list[tuple[str, str]]:
         if ident in seen:
             raise DrafterError(f"{where}: id {ident!r} occurs twice")
         seen.add(ident)
-        prompts.append((ident, row["prompt"]))
+        prompt = row["prompt"] if "prompt" in row else _conversation(where, row["messages"])
+        prompts.append((ident, prompt))
     if not prompts:
         raise DrafterError(f"{path}: no prompts")
     return prompts
+
+
+def _conversation(where: str, messages) -> list[dict]:
+    """A conversation's messages as the chat template takes them, checked."""
+    if not isinstance(messages, list) or len(messages) % 2 != 1:
+        raise DrafterError(
+            f"{where}: 'messages' must be a list of an odd number of turns (user first and last)"
+        )
+    for i, message in enumerate(messages):
+        expected = ROLES[i % 2]
+        if (
+            not isinstance(message, dict)
+            or message.get("role") != expected
+            or not isinstance(message.get("content"), str)
+            or not message["content"]
+        ):
+            raise DrafterError(
+                f"{where}: messages[{i}]: expected {{'role': {expected!r}, 'content': a"
+                " non-empty string}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def encode_distill_prompt(tokenizer, prompt, *, chat: bool, system: str | None) -> list[int]:
+    """A prompt's tokens as the target sees them: a text like `woodcock generate` encodes it, a
+    conversation through the chat template (after the system prompt, when given)."""
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt, chat=chat, system=system)
+    if not chat or not tokenizer.has_chat_template:
+        raise DrafterError(
+            "a prompt given as 'messages' needs the target's chat template (and no --no-chat)"
+        )
+    head = [{"role": "system", "content": system}] if system else []
+    return encode_messages(tokenizer, head + prompt)
 
 
 def read_answers(out: Path, *, repair: bool = False) -> list[dict]:
@@ -174,7 +216,7 @@ def distill(
     else:
         meta["prompts_files"] = [prompts_record]
     done = {row["id"] for row in read_answers(out, repair=True)}
-    pending = [(ident, text) for ident, text in prompts if ident not in done]
+    pending = [(ident, prompt) for ident, prompt in prompts if ident not in done]
     report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
     model, tokenizer = load_mlx_target(target)
     if mx.default_device() == mx.cpu:
@@ -189,7 +231,9 @@ def distill(
         progress(report.skipped, report.prompts)
     if not pending:
         return report
-    encoded = [encode_prompt(tokenizer, text, chat=chat, system=system) for _, text in pending]
+    encoded = [
+        encode_distill_prompt(tokenizer, prompt, chat=chat, system=system) for _, prompt in pending
+    ]
     start = time.perf_counter()
     generator = BatchGenerator(
         model,
