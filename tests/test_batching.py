@@ -18,7 +18,7 @@ from woodcock.runtime.decode import (
 )
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
-from woodcock.serve.batching import own_state
+from woodcock.serve.batching import DraftingChoice, own_state
 
 PROMPTS = [list(range(10, 30)), [3, 4, 5], list(range(40, 90)), [7, 7, 7, 8], list(range(60, 33, -1))]
 
@@ -91,6 +91,33 @@ def test_proposals_cut_short_in_a_batch_change_the_speed_only():
     prompts = [list(range(10, 20)) * 3, [5, 6, 7, 5, 6, 7, 5, 6], PROMPTS[2]]  # repeats: long copies
     expected = [alone(target, drafter, lookup, p, 30) for p in prompts]
     assert batched(target, drafter, lookup, prompts, 30, joins=[0, 0, 0], longest=2) == expected
+
+
+def test_plain_batched_rounds_draft_nothing_and_keep_the_output():
+    target, drafter, lookup = runtime_pair("eagle3+lookup")
+    expected = [alone(target, drafter, lookup, p, 20) for p in PROMPTS[:3]]
+    calls = []
+    original = drafter.propose
+    drafter.propose = lambda *args: calls.append(args) or original(*args)  # own_state copies it
+    assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=0) == expected
+    assert calls == []
+    assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=3) == expected
+    assert calls and all(k <= 3 for k, _ in calls)
+
+
+def test_drafting_choice_takes_the_faster_way_and_retries_the_other():
+    choice = DraftingChoice(explore=4, weight=0.5)
+    assert choice.drafts(1) and choice.drafts(3)  # alone: always; 3 requests: not measured yet
+    choice.observe(3, True, 12, 0.2)  # 60 tokens/s drafting
+    assert not choice.drafts(3)  # plain steps not measured yet
+    choice.observe(3, False, 3, 0.1)  # 30 tokens/s plain
+    assert [choice.drafts(3) for _ in range(8)] == [True, True, True, False] * 2
+    choice.observe(3, True, 2, 0.1)  # drafting slows down: 0.5 * 60 + 0.5 * 20 = 40
+    choice.observe(3, True, 2, 0.1)  # 30
+    choice.observe(3, True, 1, 0.1)  # 20
+    assert choice.rates[(3, True)] == pytest.approx(20.0)
+    assert [choice.drafts(3) for _ in range(4)] == [False, False, False, True]
+    assert choice.drafts(1) and choice.drafts(2)  # another batch size is measured on its own
 
 
 def test_a_sequence_that_leaves_mid_batch_leaves_the_others_unchanged():

@@ -118,7 +118,7 @@ def test_all_appends_other_openings_then_conversations_so_far(tmp_path):
 
     def turns(ident, *texts):
         roles = ["human", "gpt"] * len(texts)
-        return {"id": ident, "conversations": [{"from": r, "value": t} for r, t in zip(roles, texts)]}
+        return {"id": ident, "conversations": [{"from": r, "value": t} for r, t in zip(roles[: len(texts)], texts, strict=True)]}
 
     conversations += [
         turns("multi_0", ENGLISH.format("multi"), "An answer.", "And for six people?", "More.", "Thanks, and vegetarian?"),

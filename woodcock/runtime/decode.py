@@ -29,6 +29,7 @@ from woodcock.runtime.sampling import (
 from woodcock.runtime.target import MlxTarget
 
 PREFILL_CHUNK = 512
+MAX_PROPOSAL = 1 << 30  # no limit on a round's proposal but the policy's
 GREEDY = Sampling()
 NO_DRAFTS = (mx.zeros((0,), mx.int32), mx.zeros((0, 0)))  # tokens [0], logits [0, Vh]
 # A lazy array belongs to the stream of the thread that made it: evaluated now, the constant
@@ -322,19 +323,12 @@ class SpeculativeSequence:
 
     def propose(self, longest: int | None = None) -> mx.array:
         """This round's tokens to verify [k+1]: the anchor, then the drafts and copies (at most
-        `longest` of them: copies are cut first)."""
+        `longest` of them; 0: a plain decoding step, nothing drafted)."""
         start = time.perf_counter()
         context = self.rows.offset + 1
-        proposal = _propose(context, self.policy, self.drafter, self.lookup, self._sample)
-        if longest is not None and proposal.tokens.shape[0] > longest:
-            d = min(proposal.drafts.shape[0], longest)
-            proposal = Proposal(
-                proposal.drafts[:d],
-                proposal.draft_logits[:d],
-                proposal.copied[: longest - d],
-                proposal.copy_round,
-            )
-        self._proposal = proposal
+        self._proposal = _propose(
+            context, self.policy, self.drafter, self.lookup, self._sample, longest
+        )
         self._draft_seconds = time.perf_counter() - start
         return mx.concatenate([self._anchor[None].astype(mx.int32), self._proposal.tokens])
 
@@ -411,26 +405,27 @@ class Proposal:
             policy.observe_extension(len(self.copied), accepted - d)
 
 
-def _propose(context, policy, drafter, lookup, sample) -> Proposal:
+def _propose(context, policy, drafter, lookup, sample, longest: int | None = None) -> Proposal:
     """A copy when the recent tokens repeat and the policy takes it, else the drafter's drafts
-    (none: a plain decoding step), extended by a copy when they close a repeat."""
-    copy = lookup.copy_length() if lookup is not None else 0
-    copy = policy.copy_length(context, copy) if copy else 0
+    (none: a plain decoding step), extended by a copy when they close a repeat; at most
+    `longest` tokens in all (None: as the policy says)."""
+    most = MAX_PROPOSAL if longest is None else longest
+    copy = lookup.copy_length() if lookup is not None and most else 0
+    copy = min(policy.copy_length(context, copy), most) if copy else 0
     if copy:
         return Proposal(*NO_DRAFTS, lookup.continuation(copy), copy_round=True)
     drafts, draft_logits = NO_DRAFTS
-    if length := policy.draft_length(context):
+    if length := min(policy.draft_length(context), most) if most else 0:
         drafts, draft_logits = drafter.propose(length, sample)
         if policy.needs_scores:
             drafts, draft_logits = _verified_prefix(policy, context, drafter, drafts, draft_logits)
     mx.eval(drafts, draft_logits)  # [d], [d, Vh]
     copied: list[int] = []
-    if d := drafts.shape[0]:
-        if lookup is not None:
-            drafted = drafts.tolist()
-            more = lookup.copy_length(drafted)
-            more = policy.extension_length(context, d, more) if more else 0
-            copied = lookup.continuation(more, drafted) if more else []
+    if (d := drafts.shape[0]) and lookup is not None and most > d:
+        drafted = drafts.tolist()
+        more = min(lookup.copy_length(drafted), most - d)
+        more = policy.extension_length(context, d, more) if more else 0
+        copied = lookup.continuation(more, drafted) if more else []
     return Proposal(drafts, draft_logits, copied, copy_round=False)
 
 
