@@ -256,6 +256,11 @@ class SpeculativeSequence:
         self.verdict: list[mx.array] = []  # judge's lazy (accepted, bonus, taps)
         self._logits: mx.array | None = None
 
+    @property
+    def seeded(self) -> bool:
+        """Whether it samples with its own PRNG key (its draws then depend on how it drafts)."""
+        return self._key is not None
+
     def _next_key(self) -> mx.array | None:
         if self._key is None:
             return None

@@ -11,7 +11,8 @@ cancelled or times out leaves before the next round, and its state goes into the
 Greedy output is each request's own: a row of the batch attends to its own keys only, so it
 differs from the request served alone only by the rounding of matmuls over more rows (the
 margin `woodcock bench` calls a tie). Sampling stays exact per request, each drawing from its
-own PRNG key when it has a seed.
+own PRNG key when it has a seed (the same draws as alone: a batch holding such a request
+drafts every round as the policy says, as the request does alone).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from woodcock.runtime.decode import SpeculativeSequence, batched_round
 from woodcock.runtime.generate import Generation, TextStream
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling, make_logits_processors
-from woodcock.serve.engine import Engine, _kept
+from woodcock.serve.engine import Engine, kept_prefix
 from woodcock.serve.prefix import detached, restore, snapshot
 
 # A batched forward pads every request's rows to the longest proposal, so one long prompt-lookup
@@ -45,7 +46,8 @@ class DraftingChoice:
     drafter that pays more) is seen. Where verifying extra rows is nearly free (a GPU) drafting
     wins; on a few CPU cores a batch's rows cost what one request's many rows cost, and plain
     steps may win (default pair, 4 requests, 2 vCPU: 44.6 tokens/s plain, 36-38 drafting). A
-    request alone drafts as the policy says."""
+    request alone drafts as the policy says, and so does a batch holding a sampled request with
+    a seed (speculative and plain steps draw different random numbers)."""
 
     def __init__(self, explore: int = 10, weight: float = 0.2):
         self.explore, self.weight = explore, weight
@@ -96,7 +98,7 @@ class Batcher:
         self.batch = SequenceBatch(self.session.target, max_batch)
         self.running: list[Running] = []
         # plain decoding (no drafter) batches too: a sequence that never drafts
-        self.policy = engine._policy or FixedPolicy(0)
+        self.policy = engine.draft_policy or FixedPolicy(0)
         self.lookup = self.session.lookup if engine.policy is not None else None
         self.drafting = DraftingChoice()
 
@@ -115,10 +117,10 @@ class Batcher:
         ids, cached = request.prompt_ids, 0
         if engine.pool is not None:
             entry, common = engine.pool.longest(ids)
-            if entry is not None and _kept(common, len(ids)):
+            if entry is not None and kept_prefix(common, len(ids)):
                 restore(entry, target, parts)
                 engine.pool.touch(entry.tokens)
-                cached = _kept(common, len(ids))
+                cached = kept_prefix(common, len(ids))
         sampling = Sampling(request.temperature, request.top_p, request.top_k, request.min_p)
         sequence = SpeculativeSequence(
             ids,
@@ -162,7 +164,9 @@ class Batcher:
         finished (or were cancelled) with their results, out of the batch."""
         sequences = [r.sequence for r in self.running]
         size = len(sequences)
-        drafts = self.drafting.drafts(size)
+        # a request with a seed draws alone what it draws in a batch only if both draft alike
+        seeded = any(sequence.seeded for sequence in sequences)
+        drafts = seeded or self.drafting.drafts(size)
         longest = None if size == 1 else LONGEST_BATCHED_PROPOSAL if drafts else 0
         start = time.perf_counter()
         rounds = batched_round(self.batch, sequences, longest)

@@ -32,7 +32,9 @@ class _PrefillCancelled(Exception):
     pass
 
 
-def _kept(common: int, prompt_length: int) -> int:
+def kept_prefix(common: int, prompt_length: int) -> int:
+    """Rows of a cached prefix of `common` tokens a prompt keeps: all but the last (the
+    drafter's row for it reads the token after it), never the whole prompt."""
     return max(0, min(common - 1, prompt_length - 1))
 
 
@@ -62,9 +64,9 @@ class Engine:
         # one policy object for the server's life, as `woodcock bench` keeps one across its
         # prompts: an adaptive policy's acceptance estimates go on learning from every request
         # (a fresh one would start from the prior at every request)
-        self._policy = None
+        self.draft_policy = None
         if policy is not None:
-            self._policy = parse_policy(
+            self.draft_policy = parse_policy(
                 policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
             )
 
@@ -98,7 +100,7 @@ class Engine:
         the first logits)."""
         if not self.prefix_cache:
             return 0
-        return _kept(self._source(prompt_ids)[1], len(prompt_ids))
+        return kept_prefix(self._source(prompt_ids)[1], len(prompt_ids))
 
     def _take_prefix(self, prompt_ids: list[int]) -> int:
         """Make the live state the one sharing the longest prefix; `reusable` tokens."""
@@ -110,7 +112,7 @@ class Engine:
             self.cached_tokens = list(entry.tokens)
         if self.pool is not None:
             self.pool.touch(self.cached_tokens)
-        return _kept(common, len(prompt_ids))
+        return kept_prefix(common, len(prompt_ids))
 
     def _keep(self) -> None:
         """Put a detached copy of the live state into the pool."""
@@ -143,7 +145,7 @@ class Engine:
                 self.session,
                 ids,
                 max_tokens=request.max_tokens,
-                policy=self._policy,
+                policy=self.draft_policy,
                 sampling=sampling,
                 stop=request.stop,
                 on_text=on_text,
