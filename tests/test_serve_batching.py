@@ -81,6 +81,9 @@ def test_concurrent_answers_are_each_requests_own_with_both_clients(server, sess
     assert got == expected + anthropic_alone
     total, rounds = metric_summary(server, "batch_size")
     assert total > rounds  # some rounds verified several requests together
+    _, _, text = test_serve.request(server, "GET", "/metrics")
+    gauges = dict(line.split() for line in text.decode().splitlines() if not line.startswith("#"))
+    assert gauges["woodcock_max_batch_size"] == "4" and gauges["woodcock_running_requests"] == "0"
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(server, session):
