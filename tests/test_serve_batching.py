@@ -168,3 +168,29 @@ def test_max_batch_must_be_at_least_one(demo):
 
     with pytest.raises(DrafterError, match="--max-batch 0: expected at least 1"):
         serve(str(demo / "target"), str(demo / "drafter"), "fixed:4", port=0, max_batch=0)
+
+
+def test_after_a_failed_round_the_batch_starts_empty_and_answers_again(session):
+    engine = Engine(session, "fixed:4", prefix_cache=False)
+    batcher = Batcher(engine, 2)
+    loop = asyncio.new_event_loop()
+    try:
+        ids = [session.tokenizer.encode(p) for p in PROMPTS[:2]]
+        jobs = [Job(GenerationRequest("completions", i, 20), loop) for i in ids]
+        for job in jobs:
+            assert batcher.admit(job) is None
+
+        def broken(tokens):
+            raise RuntimeError("a failed forward")
+
+        batcher.batch.forward = broken
+        with pytest.raises(RuntimeError, match="a failed forward"):
+            batcher.round()
+        assert batcher.drop_all() == jobs and not batcher.running and len(batcher.batch) == 0
+        job = Job(GenerationRequest("completions", ids[1], 20), loop)
+        assert batcher.admit(job) is None
+        while batcher.running:
+            finished = batcher.round()
+        assert finished[0][1].text == woodcock_text(session, ids[1], 20)
+    finally:
+        loop.close()

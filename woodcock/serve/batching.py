@@ -177,9 +177,13 @@ class Batcher:
         done = [r for r in self.running if r.text.done or r.job.cancelled.is_set()]
         return [(r.job, self._leave(r)) for r in done]
 
-    def cancel_all(self) -> list[tuple[object, Generation]]:
-        """Take every running request out (the server stops, or a round failed)."""
-        return [(r.job, self._leave(r)) for r in list(self.running)]
+    def drop_all(self) -> list:
+        """After a failed round: every running request's job, the batch emptied (its state is
+        not trusted, so nothing goes into the prefix pool)."""
+        jobs = [r.job for r in self.running]
+        self.running = []
+        self.batch = SequenceBatch(self.session.target, self.batch.max_rows)
+        return jobs
 
     def _add(self, running: Running, steps: list[tuple]) -> bool:
         """Give the text stream a round's tokens; True once it is complete."""

@@ -192,7 +192,7 @@ class GenerationWorker:
             try:
                 finished = batcher.round()
             except Exception as e:
-                for job, _ in batcher.cancel_all():
+                for job in batcher.drop_all():
                     self._failed(job, e, started.pop(id(job)))
                 continue
             for job, result in finished:
