@@ -68,6 +68,24 @@ def test_generate_reports_the_backend_and_the_tf32_it_ran_with(tmp_path, capsys)
     assert code == 0 and out.splitlines()[-1] == "backend: cpu backend"
 
 
+def test_distill_reports_the_backend_and_takes_the_tf32_flag(tmp_path, capsys, monkeypatch):
+    from helpers import write_corpus_prompts
+
+    try:
+        main(["demo", str(tmp_path / "demo")])
+    except SystemExit as e:
+        assert not e.code
+    prompts = write_corpus_prompts(tmp_path / "prompts.jsonl", 2)
+    args = ["distill", "--target", str(tmp_path / "demo" / "target"), "--prompts", str(prompts), "--max-tokens", "3", "--no-chat"]  # fmt: skip
+    capsys.readouterr()
+    code, out, err = run_cli(args + ["--out", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    assert out.rstrip().endswith("tokens/s); cpu backend") and "2 answered now" in out
+    assert backend.current_tf32() == Tf32("0", "default")
+    code, out, err = run_cli(args + ["--out", str(tmp_path / "b"), "--allow-tf32"], capsys)
+    assert code == 0 and backend.current_tf32().source == "--allow-tf32"
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_openblas_says_nothing_when_mlx_computes_on_a_gpu(monkeypatch, tmp_path, device):
     """MLX imported before woodcock with OpenBLAS installed: the warning is for the CPU only."""

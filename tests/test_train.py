@@ -87,7 +87,10 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     rows = read_answers(work / "data")
     assert len(rows) == 30 and len({r["id"] for r in rows}) == 30
     model, tokenizer = load(str(work / "target"))
-    for row in rows[:6]:
+    assert json.loads((work / "data" / "distill.json").read_text())["generators"] == [
+        "woodcock.runtime.greedy_batch"
+    ]
+    for row in rows:
         answer = row["answer_ids"]
         assert 1 <= len(answer) <= MAX_TOKENS
         assert answer == plain_greedy(model, row["prompt_ids"], MAX_TOKENS)[: len(answer)]
@@ -99,12 +102,17 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     data.mkdir()
     lines = (work / "data" / ANSWERS).read_text().splitlines()
     (data / ANSWERS).write_text("\n".join(lines[:10]) + "\n" + lines[10][:25])
-    (data / "distill.json").write_text((work / "data" / "distill.json").read_text())
+    # answers an older version made name its generator alone; a resumed run adds its own
+    meta = json.loads((work / "data" / "distill.json").read_text())
+    del meta["generators"]
+    (data / "distill.json").write_text(json.dumps({**meta, "generator": "older"}))
     prompts = write_corpus_prompts(tmp_path / "more.jsonl", 33)
     report = distill(
         str(work / "target"), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False
     )
     assert (report.skipped, report.answered) == (10, 23)
+    generators = json.loads((data / "distill.json").read_text())["generators"]
+    assert generators == ["older", "woodcock.runtime.greedy_batch"]
     again = read_answers(data)
     assert sorted(r["id"] for r in again) == sorted(f"p{i}" for i in range(33))
     by_id = {r["id"]: r for r in rows}
@@ -138,21 +146,35 @@ def test_distill_answers_a_conversation_through_the_chat_template(work, tmp_path
     assert report.answered == 2
     model, tokenizer = load(str(work / "target"))
     rows = {r["id"]: r for r in read_answers(out)}
-    expected = encode_messages(tokenizer, [{"role": "system", "content": "Be brief."}, *conversation])
+    expected = encode_messages(
+        tokenizer, [{"role": "system", "content": "Be brief."}, *conversation]
+    )
     assert rows["c1"]["prompt_ids"] == expected
-    assert rows["c1"]["answer_ids"] == plain_greedy(model, expected, MAX_TOKENS)[: len(rows["c1"]["answer_ids"])]
+    assert (
+        rows["c1"]["answer_ids"]
+        == plain_greedy(model, expected, MAX_TOKENS)[: len(rows["c1"]["answer_ids"])]
+    )
     with pytest.raises(DrafterError, match="needs the target's chat template"):
-        distill(str(work / "target"), prompts, tmp_path / "plain", max_tokens=MAX_TOKENS, chat=False)
+        distill(
+            str(work / "target"), prompts, tmp_path / "plain", max_tokens=MAX_TOKENS, chat=False
+        )
 
 
 @pytest.mark.parametrize(
     "messages,message",
     [
-        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "odd number of turns"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            "odd number of turns",
+        ),
         ("hello", "odd number of turns"),
         ([{"role": "assistant", "content": "a"}], r"messages\[0\]: expected \{'role': 'user'"),
         (
-            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}],
+            [
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "user", "content": "c"},
+            ],
             r"messages\[1\]: expected \{'role': 'assistant'",
         ),
         ([{"role": "user", "content": ""}], r"messages\[0\]"),

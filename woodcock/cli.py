@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from woodcock import __version__
-from woodcock.cli_options import DefaultableTarget, MaxTokens, parse_taps
+from woodcock.cli_options import AllowTf32, DefaultableTarget, MaxTokens, parse_taps
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.runtime.backend import configure_tf32
@@ -238,14 +238,6 @@ LookupOption = Annotated[
         "--lookup/--no-lookup",
         help="Rounds whose last tokens occurred before copy what followed them (prompt lookup)"
         " instead of asking the drafter.",
-    ),
-]
-AllowTf32 = Annotated[
-    bool,
-    typer.Option(
-        "--allow-tf32",
-        help="Let MLX's GPU backends multiply fp32 matrices in TF32: faster, but a verify of"
-        " several rows may then round a near tie apart from plain decoding's one-row step.",
     ),
 ]
 

@@ -19,6 +19,14 @@ DefaultableTarget = Annotated[
 MaxTokens = Annotated[
     int, typer.Option("--max-tokens", "-m", min=1, help="Most tokens to generate.")
 ]
+AllowTf32 = Annotated[
+    bool,
+    typer.Option(
+        "--allow-tf32",
+        help="Let MLX's GPU backends multiply fp32 matrices in TF32: faster, but a row computed"
+        " among several may then round a near tie apart from the same row computed alone.",
+    ),
+]
 
 
 def parse_taps(text: str | None) -> tuple[int, ...] | None:

@@ -61,9 +61,11 @@ class RowCache:
         batch, new = keys.shape[0], keys.shape[2]
         end = max(self.lengths) + new
         self.reserve(end, keys, values)
-        for i, start in enumerate(self.lengths):
-            self.keys[i : i + 1, :, start : start + new] = keys[i : i + 1]
-            self.values[i : i + 1, :, start : start + new] = values[i : i + 1]
+        # one scatter per array, not a write per row: on a GPU each write is a kernel launch
+        rows = mx.arange(batch)[:, None]  # [B, 1]
+        positions = mx.array(self.lengths)[:, None] + mx.arange(new)[None, :]  # [B, T]
+        self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)  # [B, T, Hk, D]
+        self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
         return self.keys[:batch, :, :end], self.values[:batch, :, :end]
 
     def make_mask(self, queries: int, return_array: bool = False, window_size=None) -> mx.array:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 
-from woodcock.cli_options import DefaultableTarget, MaxTokens
+from woodcock.cli_options import AllowTf32, DefaultableTarget, MaxTokens
 from woodcock.train.options import FLAG, Flag, TrainOptions
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -42,12 +42,16 @@ def distill(
     batch: Annotated[int, typer.Option("--batch", min=1, help="Answers decoded together.")] = 8,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the chat template.")] = True,
     system: Annotated[str | None, typer.Option("--system", help="System prompt (chat).")] = None,
+    allow_tf32: AllowTf32 = False,
 ) -> None:
     """Make the target answer the prompts (greedy, batched). Resumable: prompts already answered
     in OUT are skipped, new answers are appended to OUT/answers.jsonl as they finish."""
     from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
 
+    from woodcock.runtime import backend
     from woodcock.train.distill import distill as run_distill
+
+    backend.configure_tf32(allow_tf32)  # a row's answer then does not depend on the rows beside it
 
     _warn_slow_paths()
     columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
@@ -70,7 +74,8 @@ def distill(
     typer.echo(
         f"{out}: {report.answered} answered now, {report.skipped} already answered, of"
         f" {report.prompts} prompts; {report.answer_tokens} answer tokens in"
-        f" {report.seconds:.1f} s ({report.tokens_per_second:.1f} tokens/s)"
+        f" {report.seconds:.1f} s ({report.tokens_per_second:.1f} tokens/s);"
+        f" {backend.describe(backend.report())}"
     )
 
 

@@ -5,14 +5,16 @@ Output directory:
                     {"id", "prompt_ids", "answer_ids", "finish_reason"}. answer_ids are the
                     tokens the target generated, including the EOS token when it stopped on one
                     (finish_reason "stop"; "length" when it reached --max-tokens).
-    distill.json    how the answers were made (target, template, length cap, generator); a
+    distill.json    how the answers were made (target, template, length cap, generators); a
                     re-run must agree with it, so one directory never mixes two recipes.
 
-Generation is mlx-lm's own continuous-batching `BatchGenerator` (greedy sampler): up to
-`batch` answers decode together, a finished one makes room for the next prompt. It runs on the
-CPU backend and gives token for token what `generate_step` gives one prompt at a time (checked
-in the tests on the tiny target; batched arithmetic may still break exact ties differently on a
-real model).
+Generation is woodcock.runtime.greedy_batch: up to `batch` answers decode together, a finished
+one makes room for the next prompts, which are prefilled together. It gives token for token
+what mlx-lm's `generate_step` gives one prompt at a time (checked in the tests on the tiny
+target; batched arithmetic may still break exact ties differently on a real model). It replaced
+mlx-lm's `BatchGenerator`, which computes and hands back every row's log-probabilities over the
+whole vocabulary each step: at 256 rows on the CPU that alone took longer than the step's
+forward (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -25,18 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
 from woodcock.runtime.generate import encode_messages, encode_prompt
+from woodcock.runtime.greedy_batch import greedy_answers
+from woodcock.runtime.target import MlxTarget
 from woodcock.target_checkpoint import load_mlx_target
 
 ANSWERS = "answers.jsonl"
 META = "distill.json"
 META_VERSION = 1
+GENERATOR = "woodcock.runtime.greedy_batch"
 
 
 @dataclass
@@ -102,6 +106,12 @@ def _conversation(where: str, messages) -> list[dict]:
                 " non-empty string}"
             )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _with(recorded, value: str) -> list:
+    """A recorded list (or single string) of names with `value` added once."""
+    names = [recorded] if isinstance(recorded, str) else recorded
+    return list(dict.fromkeys([*(names if isinstance(names, list) else []), value]))
 
 
 def encode_distill_prompt(tokenizer, prompt, *, chat: bool, system: str | None) -> list[int]:
@@ -195,7 +205,6 @@ def distill(
         "chat": chat,
         "system": system,
         "decoding": "greedy",
-        "generator": "mlx_lm.generate.BatchGenerator",
     }
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / META
@@ -210,11 +219,14 @@ def distill(
                 f"{meta_path}: the answers there were made with {k} = {recorded.get(k)!r}, this"
                 f" run asks for {meta[k]!r}; use another --out directory"
             )
-        files = recorded.get("prompts_files")
-        files = list(files) if isinstance(files, list) else []
-        meta = {**recorded, "prompts_files": list(dict.fromkeys([*files, prompts_record]))}
+        meta = {
+            **recorded,
+            "prompts_files": _with(recorded.get("prompts_files"), prompts_record),
+            # answers made by an older version name its generator in "generator"
+            "generators": _with(recorded.get("generators", recorded.get("generator")), GENERATOR),
+        }
     else:
-        meta["prompts_files"] = [prompts_record]
+        meta |= {"prompts_files": [prompts_record], "generators": [GENERATOR]}
     done = {row["id"] for row in read_answers(out, repair=True)}
     pending = [(ident, prompt) for ident, prompt in prompts if ident not in done]
     report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
@@ -235,39 +247,28 @@ def distill(
         encode_distill_prompt(tokenizer, prompt, chat=chat, system=system) for _, prompt in pending
     ]
     start = time.perf_counter()
-    generator = BatchGenerator(
-        model,
+    answers = greedy_answers(
+        MlxTarget(model, (), name=str(target)),
+        encoded,
+        batch=batch,
         max_tokens=max_tokens,
-        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        completion_batch_size=batch,
-        prefill_batch_size=batch,
+        stop_ids=tokenizer.eos_token_ids,
     )
-    try:
-        uids = generator.insert(encoded, [max_tokens] * len(encoded))
-        by_uid = {uid: i for i, uid in enumerate(uids)}
-        answers: dict[int, list[int]] = {uid: [] for uid in uids}
-        with open(out / ANSWERS, "a", encoding="utf-8") as f:
-            while responses := generator.next_generated():
-                for r in responses:
-                    answers[r.uid].append(int(r.token))
-                    if r.finish_reason is None:
-                        continue
-                    i = by_uid[r.uid]
-                    record = {
-                        "id": pending[i][0],
-                        "prompt_ids": [int(t) for t in encoded[i]],
-                        "answer_ids": answers.pop(r.uid),
-                        "finish_reason": r.finish_reason,
-                    }
-                    f.write(json.dumps(record) + "\n")
-                    f.flush()
-                    report.answered += 1
-                    report.prompt_tokens += len(record["prompt_ids"])
-                    report.answer_tokens += len(record["answer_ids"])
-                    if progress:
-                        progress(report.skipped + report.answered, report.prompts)
-            os.fsync(f.fileno())
-    finally:
-        generator.close()
+    with open(out / ANSWERS, "a", encoding="utf-8") as f:
+        for answer in answers:
+            record = {
+                "id": pending[answer.index][0],
+                "prompt_ids": [int(t) for t in encoded[answer.index]],
+                "answer_ids": answer.tokens,
+                "finish_reason": answer.finish_reason,
+            }
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            report.answered += 1
+            report.prompt_tokens += len(record["prompt_ids"])
+            report.answer_tokens += len(record["answer_ids"])
+            if progress:
+                progress(report.skipped + report.answered, report.prompts)
+        os.fsync(f.fileno())
     report.seconds = time.perf_counter() - start
     return report

@@ -1,0 +1,126 @@
+"""Greedy answers to many prompts, decoded together: what `woodcock distill` generates with.
+
+Up to `batch` answers decode in one woodcock.runtime.batch SequenceBatch (every sequence from
+position 0 of its own row); a finished answer leaves at once and the next prompts join,
+shortest first, in groups prefilled together in a batch of their own (padded to the group's
+longest, in chunks; only the caches are computed, not the prompt positions' logits) and then
+copied into free rows. A step feeds every row its newest token and takes the argmax of the
+logits; nothing per row is computed but that argmax (no log-probabilities), and the host reads
+one step's tokens while the device runs the next (a finished row costs one wasted position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from woodcock.runtime.batch import SequenceBatch
+from woodcock.runtime.target import MlxTarget
+
+PREFILL_CHUNK = 512  # a prompt's tokens per prefill forward
+PREFILL_TOKENS = 16384  # padded tokens per prefill forward (group size x chunk)
+PADDING = 1.25  # most padded tokens per prompt token in a prefill group
+
+
+@dataclass
+class Answer:
+    index: int  # the prompt's position in the list given
+    tokens: list[int]  # what the target generated, the stop token included when it stopped
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class _Row:
+    answer: Answer
+    started: bool = False  # False: the row's newest token is its prompt's last, not an answer's
+
+
+def greedy_answers(
+    target: MlxTarget,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch: int,
+    max_tokens: int,
+    stop_ids: Sequence[int],
+) -> Iterator[Answer]:
+    """Each prompt's greedy answer (at most `max_tokens` tokens, ending at the first of
+    `stop_ids`), yielded as it finishes: the order is not the prompts'."""
+    stop = set(stop_ids)
+    # shortest first (popped from the end): a group's prompts are about as long as each other,
+    # so padding them to the longest costs little (on a 2-core CPU prefill is most of the time)
+    waiting = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    rows = SequenceBatch(target, batch)
+    decoding: list[_Row] = []  # row i's answer so far
+    newest = mx.zeros((0,), mx.int32)  # [B] each row's newest token, fed in the next step
+    while waiting or decoding:
+        if waiting and len(decoding) < batch:
+            group = _take_group(prompts, waiting, batch - len(decoding))
+            newest = mx.concatenate([newest, _prefill_into(rows, [prompts[i] for i in group])])
+            decoding += [_Row(Answer(i, [], "")) for i in group]
+        logits, _ = zip(*rows.forward([token[None] for token in newest]), strict=True)
+        following = mx.argmax(mx.concatenate(logits), axis=-1).astype(mx.int32)  # [B]
+        mx.async_eval(following)
+        finished = []
+        for row, (state, token) in enumerate(zip(decoding, newest.tolist(), strict=True)):
+            if not state.started:
+                state.started = True
+                continue
+            answer = state.answer
+            answer.tokens.append(token)
+            if token in stop or len(answer.tokens) == max_tokens:
+                answer.finish_reason = "stop" if token in stop else "length"
+                finished.append(row)
+                yield answer
+        newest = following
+        if finished:
+            newest = _drop_rows(rows, decoding, newest, finished)
+
+
+def _take_group(prompts, waiting: list[int], room: int) -> list[int]:
+    """The next waiting prompts to prefill together (always one): at most `room`, as many as fit
+    PREFILL_TOKENS padded tokens a chunk, and padded to no more than PADDING times their own
+    tokens (the rest join at the next step)."""
+    group = [waiting.pop()]
+    width = real = min(len(prompts[group[0]]), PREFILL_CHUNK)
+    while waiting and len(group) < room:
+        length = min(len(prompts[waiting[-1]]), PREFILL_CHUNK)
+        wider = max(width, length)
+        padded = (len(group) + 1) * wider
+        if padded > PREFILL_TOKENS or padded > PADDING * (real + length):
+            break
+        group.append(waiting.pop())
+        width, real = wider, real + length
+    return group
+
+
+def _prefill_into(rows: SequenceBatch, prompts: list[Sequence[int]]) -> mx.array:
+    """Prefill all but the last token of `prompts` together and add them to `rows`: their last
+    tokens [G], which the next step feeds. Only the caches are evaluated: the logits of the
+    prompts' positions (a vocabulary-wide matmul per token) are never computed."""
+    target = rows.target
+    group = SequenceBatch(target, len(prompts))
+    slots = [group.add([KVCache() for _ in target.cache]) for _ in prompts]
+    heads = [p[:-1] for p in prompts]
+    for start in range(0, max(len(h) for h in heads), PREFILL_CHUNK):
+        group.forward([mx.array(list(h[start : start + PREFILL_CHUNK]), mx.int32) for h in heads])
+        mx.eval([(layer.keys, layer.values) for layer in group.caches])
+    for slot in slots:
+        rows.add([layer.read_row(slot.row, slot.offset) for layer in group.caches])
+    return mx.array([p[-1] for p in prompts], mx.int32)
+
+
+def _drop_rows(rows: SequenceBatch, decoding: list, newest: mx.array, finished: list[int]):
+    """Take the finished rows out of the batch (each leaving row's place goes to the batch's last
+    row, as SequenceBatch.remove does) and out of `decoding`: `newest` in the new row order."""
+    order = list(range(len(decoding)))
+    for row in sorted(finished, reverse=True):
+        rows.remove(rows.slots[row])
+        last = order.pop()
+        decoding[row] = decoding[-1]
+        decoding.pop()
+        if row < len(order):
+            order[row] = last
+    return newest[mx.array(order, mx.int32)] if order else mx.zeros((0,), mx.int32)
