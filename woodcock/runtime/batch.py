@@ -176,7 +176,16 @@ class SequenceBatch:
         padded = mx.stack(
             [mx.pad(t.astype(mx.int32), (0, width - t.shape[0])) for t in tokens]
         )  # [B, T]
-        logits, taps = self.target.forward_rows(padded, self.caches)  # [B, T, V], [B, T, A*Ht]
+        logits, taps = self.forward_equal(padded)  # [B, T, V], [B, T, A*Ht]
         for i, t in enumerate(tokens):
-            self.lengths[i] += t.shape[0]
+            self.lengths[i] -= width - t.shape[0]  # a padding row is not the sequence's
         return [(logits[i, : t.shape[0]], taps[i, : t.shape[0]]) for i, t in enumerate(tokens)]
+
+    def forward_equal(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """tokens [B, T]: T new tokens of every active sequence, in row order -> (logits
+        [B, T, V], taps [B, T, A*Ht]); their rows join the caches. Lazy."""
+        if tokens.shape[0] != len(self.slots):
+            raise DrafterError(f"{tokens.shape[0]} token rows for {len(self.slots)} sequences")
+        out = self.target.forward_rows(tokens, self.caches)
+        self.lengths[:] = [length + tokens.shape[1] for length in self.lengths]
+        return out

@@ -60,8 +60,8 @@ def greedy_answers(
             group = _take_group(prompts, waiting, batch - len(decoding))
             newest = mx.concatenate([newest, _prefill_into(rows, [prompts[i] for i in group])])
             decoding += [_Row(Answer(i, [], "")) for i in group]
-        logits, _ = zip(*rows.forward([token[None] for token in newest]), strict=True)
-        following = mx.argmax(mx.concatenate(logits), axis=-1).astype(mx.int32)  # [B]
+        logits, _ = rows.forward_equal(newest[:, None])  # [B, 1, V]
+        following = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)  # [B]
         mx.async_eval(following)
         finished = []
         for row, (state, token) in enumerate(zip(decoding, newest.tolist(), strict=True)):
