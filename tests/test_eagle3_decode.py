@@ -283,3 +283,20 @@ def test_auto_policy_tries_a_drafter_whose_prior_is_below_break_even(tmp_path):
     assert sum(k > 0 for k in good[-100:]) >= 95 and max(good) > 1  # found it pays, and longer
     assert 0 < sum(k > 0 for k in bad) <= 10  # tried, and soon left alone
     assert drafting_rounds(1.0) == good  # the draws are seeded: the same rounds again
+
+
+def test_auto_policy_takes_a_prior_of_one_or_zero(tmp_path):
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    file = tmp_path / "profile.json"
+    verify = [0.02 + 0.01 * (k - 1) for k in range(1, 17)]
+    profile = {"verify_seconds": {"64": verify}, "draft_seconds": {"full": [0.001] * 7}}
+    write_profile(file, {"draft_kind": "chain", **profile})
+    # a drafter trained to a perfect hold-out on a tiny target records exactly 1.0
+    policy = AutoPolicy(LatencyProfile.load(file), max_length=3, prior=[1.0, 0.0, 1.0])
+    for _ in range(20):
+        length = policy.draft_length(64)
+        assert 0 <= length <= 3
+        policy.observe(length, length)
+    assert all(0 < rate < 1 for rate in policy.acceptance())

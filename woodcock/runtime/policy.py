@@ -101,6 +101,9 @@ class ConfidencePolicy:
         pass
 
 
+PRIOR_FLOOR = 0.01
+
+
 @dataclass
 class AcceptanceEstimate:
     """Acceptance at position j (given j-1 accepted) as (accepted + a) / (tried + a + b): a Beta
@@ -135,6 +138,9 @@ class AcceptanceEstimate:
         prior = np.array(
             [self.prior[j] if j < len(self.prior) else 0.6 for j in range(self.length)]
         )
+        # a recorded hold-out of exactly 1 (or 0), as a drafter of a tiny target can reach,
+        # would leave a Beta without a parameter: nothing is certain before it is verified
+        prior = np.clip(prior, PRIOR_FLOOR, 1 - PRIOR_FLOOR)
         return prior * self.strength, (1 - prior) * self.strength
 
     def observe(self, verified: int, accepted: int) -> None:
