@@ -2,6 +2,7 @@
 decoding and resume, the training forward is the runtime drafter's function, training learns,
 resumes exactly, and writes a drafter that loads and decodes exactly."""
 
+import dataclasses
 import json
 import os
 
@@ -210,9 +211,13 @@ def test_feature_cache_is_the_targets_taps_and_argmax(work, trained):
     width = len(spec.taps.layer_ids) * spec.target.hidden_size
     rows = sum(e["length"] for e in index)
     taps = np.fromfile(cache_dir / "taps.bin", np.float16).reshape(rows, width)
-    taps = from_fp16(taps, np.fromfile(cache_dir / "taps_exp.bin", np.int8).reshape(rows, -1))
+    taps = np.array(
+        from_fp16(taps, np.fromfile(cache_dir / "taps_exp.bin", np.int8).reshape(rows, -1))
+    )
     final = np.fromfile(cache_dir / "final.bin", np.float16).reshape(rows, -1)
-    final = from_fp16(final, np.fromfile(cache_dir / "final_exp.bin", np.int8).reshape(rows, 1))
+    final = np.array(
+        from_fp16(final, np.fromfile(cache_dir / "final_exp.bin", np.int8).reshape(rows, 1))
+    )
     argmax = np.fromfile(cache_dir / "argmax.bin", np.int32)
     model, _ = load(str(work / "target"))
     target = MlxTarget(model, spec.taps.layer_ids)
@@ -233,9 +238,12 @@ def test_fp16_storage_keeps_massive_activations():
     x = np.array([[3.0, -1e-3, 0.5, 2.0], [70000.0, -1.0, 1e5, 3e-3]], np.float32)
     packed, exponent = to_fp16(mx.array(x), 2)
     assert np.array(exponent).tolist() == [[0, 0], [2, 2]]
-    np.testing.assert_allclose(
-        from_fp16(np.array(packed), np.array(exponent)), x, rtol=1e-3, atol=1e-6
-    )
+    unpacked = from_fp16(np.array(packed), np.array(exponent))
+    assert unpacked.dtype == mx.float32
+    np.testing.assert_allclose(np.array(unpacked), x, rtol=1e-3, atol=1e-6)
+    # a power of two times an fp16 value: exactly the float32 the host would compute
+    host = np.array(packed).astype(np.float32).reshape(2, 2, 2) * np.exp2(np.array(exponent))[..., None]
+    assert np.array_equal(np.array(unpacked), host.reshape(2, 4))
 
 
 def test_ttt_forward_is_the_runtime_chain_with_teacher_forcing(work):
@@ -453,6 +461,17 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
         T.train(short_run(work, tmp_path / "x", init=str(trained), head_size=64))
     with pytest.raises(DrafterError, match=r"--init .*: taps = .*; this run trains"):
         T.train(short_run(work, tmp_path / "y", init=str(trained), taps=(1, 2, 3)))
+
+
+def test_init_takes_a_shipped_drafters_name(tmp_path):
+    from woodcock.train.warm_start import load_init
+
+    opts = TrainOptions(data=tmp_path, out=tmp_path / "out", algorithm="dspark", head_size=8192)
+    init, record = load_init(dataclasses.replace(opts, init="smollm2-135m-dspark"))
+    assert init.spec.algorithm.name == "dspark" and init.spec.draft_vocab_size == 8192
+    assert record["source"] == "smollm2-135m-dspark" and record["format"] == "woodcock"
+    with pytest.raises(DrafterError, match=r"--init smollm2-135m-eagle3: algorithm = 'eagle3'"):
+        load_init(dataclasses.replace(opts, init="smollm2-135m-eagle3"))
 
 
 def test_distill_and_train_default_to_the_default_target(work, tmp_path, monkeypatch):

@@ -62,12 +62,16 @@ def resolve_pair(target: str | None, drafter: str | None) -> tuple[str, str]:
         if target not in (None, DEFAULT_TARGET):
             raise DrafterError("--drafter is required with a target other than the default one")
         drafter = str(shipped_drafter())
-    else:
-        # A shipped drafter's name, unless a local path of that name exists (@N truncation kept).
-        source, at, truncation = drafter.partition("@")
-        if source in shipped_names() and not Path(source).exists():
-            drafter = str(shipped_drafter(source)) + at + truncation
-    return resolve_target(target), drafter
+    return resolve_target(target), resolve_drafter(drafter)
+
+
+def resolve_drafter(drafter: str) -> str:
+    """A shipped drafter's folder for its name, unless a local path of that name exists (an @N
+    truncation kept); any other source as given."""
+    source, at, truncation = drafter.partition("@")
+    if source in shipped_names() and not Path(source).exists():
+        return str(shipped_drafter(source)) + at + truncation
+    return drafter
 
 
 def cache_dir() -> Path:

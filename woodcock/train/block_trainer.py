@@ -143,14 +143,16 @@ class BlockTrainer:
         t_rows = t.reshape(-1)[flat]
         argmax = batch.argmax[b_idx, t_rows]
         weight = self.decay[k_idx - shift] * self.in_head[np.maximum(argmax, 0)]
-        z = mx.array(batch.final[b_idx, t_rows]) @ self.head_t  # the target's logits [n, Vd]
+        final = batch.final.reshape(-1, batch.final.shape[-1])
+        # the target's logits [n, Vd]
+        z = final[mx.array(b_idx * batch.tokens.shape[1] + t_rows)] @ self.head_t
         z_lse = mx.logsumexp(z, axis=-1)
         target = mx.exp(z - z_lse[:, None])
         # sum p log p = sum p z - logsumexp(z): no log over the vocabulary
         neg_entropy = (target * z).sum(-1) - z_lse
         context = int(p[real].max())
         return BlockInputs(
-            taps=mx.array(batch.taps[:, :context]),
+            taps=batch.taps[:, :context],
             anchors=mx.array(p.astype(np.int32)),
             block_ids=mx.array(block_ids),
             prev_ids=mx.array(prev.reshape(s, count, size).astype(np.int32)),

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
@@ -84,9 +85,9 @@ class Batch:
     """One padded batch; per-position arrays are [B, Lp] with Lp = R + K + 1 (R rows)."""
 
     tokens: np.ndarray  # x_j
-    final: np.ndarray  # target final hidden at j, float32
+    final: mx.array  # target final hidden at j, float32 [B, Lp, Ht], on the device
     argmax: np.ndarray  # target argmax at j
-    taps: np.ndarray  # g_i for rows i < R, float32 [B, R, A*Ht]
+    taps: mx.array  # g_i for rows i < R, float32 [B, R, A*Ht], on the device
     lengths: np.ndarray  # [B]
     prompt_lengths: np.ndarray  # [B]
 
@@ -119,21 +120,30 @@ def make_batch(arrays: dict[str, np.ndarray], entries: Sequence[dict], steps: in
     rows = longest - 1
     width = rows + steps + 1
     b = len(entries)
-    hidden = arrays["final"].shape[1]
+    hidden, taps_width = arrays["final"].shape[1], arrays["taps"].shape[1]
     tokens = np.zeros((b, width), np.int32)
     argmax = np.full((b, width), -1, np.int32)
-    final = np.zeros((b, width, hidden), np.float32)
-    taps = np.zeros((b, rows, arrays["taps"].shape[1]), np.float32)
+    final = np.zeros((b, width, hidden), np.float16)
+    final_exp = np.zeros((b, width, 1), np.int8)
+    taps = np.zeros((b, rows, taps_width), np.float16)
+    taps_exp = np.zeros((b, rows, arrays["taps_exp"].shape[1]), np.int8)
     for j, e in enumerate(entries):
         s, n = e["start"], e["length"]
         tokens[j, :n] = arrays["tokens"][s : s + n]
         argmax[j, :n] = arrays["argmax"][s : s + n]
-        final[j, :n] = from_fp16(arrays["final"][s : s + n], arrays["final_exp"][s : s + n])
-        taps[j, : n - 1] = from_fp16(
-            arrays["taps"][s : s + n - 1], arrays["taps_exp"][s : s + n - 1]
-        )
+        final[j, :n] = arrays["final"][s : s + n]
+        final_exp[j, :n] = arrays["final_exp"][s : s + n]
+        taps[j, : n - 1] = arrays["taps"][s : s + n - 1]
+        taps_exp[j, : n - 1] = arrays["taps_exp"][s : s + n - 1]
     shape = BatchLengths.of(entries)
-    return Batch(tokens, final, argmax, taps, shape.lengths, shape.prompt_lengths)
+    return Batch(
+        tokens,
+        from_fp16(final, final_exp),
+        argmax,
+        from_fp16(taps, taps_exp),
+        shape.lengths,
+        shape.prompt_lengths,
+    )
 
 
 def epoch_batches(entries: Sequence[dict], batch: int, seed: int, epoch: int) -> list[list[int]]:

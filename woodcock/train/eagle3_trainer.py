@@ -135,7 +135,8 @@ class Eagle3Trainer:
         answer = (t >= batch.prompt_lengths[:, None] - 1) & (t <= batch.lengths[:, None] - 1)
         where = np.full(answer.shape, -1, np.int64)
         where[answer] = np.arange(int(answer.sum()))
-        final = mx.array(batch.final[answer])  # [n, Ht]
+        final = batch.final.reshape(-1, batch.final.shape[-1])
+        final = final[mx.array(np.flatnonzero(answer.ravel()))]  # [n, Ht]
         target = mx.softmax(final @ self.head_t, axis=-1, precise=True)  # [n, Vd]
         selections = []
         for k in range(self.steps):
@@ -154,7 +155,7 @@ class Eagle3Trainer:
             )
         return StepInputs(
             tokens=mx.array(batch.tokens[:, 1 : rows + self.steps]),
-            taps=mx.array(batch.taps),
+            taps=batch.taps,
             target=target,
             selections=selections,
             valid=valid,

@@ -61,7 +61,9 @@ class TrainOptions:
         None, "Target layer ids (default 2,N/2,N-3).", parse=parse_taps
     )
     init: str | None = option(
-        None, "Start from this drafter's weights (its taps and head rows) instead of random."
+        None,
+        "Start from this drafter's weights (its taps and head rows) instead of random: a"
+        " directory, or a shipped drafter's name.",
     )
     eval_every: int = option(200, "Hold-out evaluation every N steps.")
     checkpoint_every: int = option(50, "Checkpoint every N steps.")

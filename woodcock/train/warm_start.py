@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from woodcock.default_target import resolve_drafter
 from woodcock.errors import DrafterError
 from woodcock.ir import Eagle3
 from woodcock.loading import load_drafter_with_format, resolve_source
@@ -20,7 +21,8 @@ from woodcock.train.run import RunInputs
 
 def load_init(opts: TrainOptions):
     """The drafter to start from and the record of it for the provenance."""
-    init, fmt = load_drafter_with_format(opts.init)
+    source = resolve_drafter(opts.init)
+    init, fmt = load_drafter_with_format(source)
     if init.spec.algorithm.name != opts.algorithm:
         raise DrafterError(
             f"--init {opts.init}: algorithm = {init.spec.algorithm.name!r}; this trains"
@@ -35,7 +37,7 @@ def load_init(opts: TrainOptions):
         )
     record: dict[str, Any] = {"source": str(opts.init), "format": fmt.NAME}
     if fmt.NAME == "woodcock":
-        theirs = fmt.read_provenance(resolve_source(opts.init))
+        theirs = fmt.read_provenance(resolve_source(source))
         record["data"] = theirs.get("data", {}).get("dir")
         record["training"] = theirs.get("training")
         for key in ("holdout_agreement", "holdout"):
