@@ -242,7 +242,10 @@ def test_fp16_storage_keeps_massive_activations():
     assert unpacked.dtype == mx.float32
     np.testing.assert_allclose(np.array(unpacked), x, rtol=1e-3, atol=1e-6)
     # a power of two times an fp16 value: exactly the float32 the host would compute
-    host = np.array(packed).astype(np.float32).reshape(2, 2, 2) * np.exp2(np.array(exponent))[..., None]
+    host = (
+        np.array(packed).astype(np.float32).reshape(2, 2, 2)
+        * np.exp2(np.array(exponent))[..., None]
+    )
     assert np.array_equal(np.array(unpacked), host.reshape(2, 4))
 
 
