@@ -327,6 +327,8 @@ def train_run(steps, work, data, target, algorithm, recipe, seconds, count) -> d
     if (out / "model.safetensors").exists():
         cast = work / f"woodcock-{algorithm}"
         argv = [*WOODCOCK, "convert", str(out), str(cast), "--to", "woodcock"]
+        # the default target by its public name, as the shipped drafters record it
+        argv += [] if target else ["--target-name", "HuggingFaceTB/SmolLM2-135M-Instruct"]
         done = steps.run(f"bf16-{algorithm}", [*argv, "--dtype", "bfloat16", "--force"], 60)
         if done is not None and done.returncode == 0:
             result["drafter"] = str(cast)
