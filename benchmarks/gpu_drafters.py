@@ -106,10 +106,9 @@ def stage(args) -> int:
     answered: set[str] = set()
     budget = args.max_bytes
     if args.answers:
-        raw = (args.answers / "answers.jsonl").read_bytes()
-        raw = raw[: raw.rfind(b"\n") + 1]  # a line still being written stays behind
-        answered = {json.loads(line)["id"] for line in raw.split(b"\n") if line.strip()}
-        packed = lzma.compress(raw)
+        kept = complete_lines(args.answers / "answers.jsonl")  # not one still being written
+        answered = {json.loads(line)["id"] for line in kept if line.strip()}
+        packed = lzma.compress("".join(f"{line}\n" for line in kept).encode())
         (out / "answers.jsonl.xz").write_bytes(packed)
         shutil.copyfile(args.answers / "distill.json", out / "distill.json")
         budget -= len(packed)
@@ -343,7 +342,7 @@ def pack(out: Path, work: Path, data: Path, drafters: list[str], staged: int, st
     with gzip.open(made, "wt", encoding="utf-8") as f:
         f.writelines(lines[staged:])
     shutil.copyfile(data / "distill.json", work / "distill.json")
-    logs = [Path(f"{work / name}.ckpt") / "log.jsonl" for name in ("dspark-fp32", "eagle3-fp32")]
+    logs = sorted(work.glob("*-fp32.ckpt/log.jsonl"))  # the training runs' (train_run)
     candidates = [(Path(d), f"drafters/{Path(d).name}") for d in drafters]
     candidates += [(made, "answers/answers-made.jsonl.gz")]
     candidates += [(work / "distill.json", "answers/distill.json")]
