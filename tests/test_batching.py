@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from test_serve import runtime_pair
 
 from woodcock.errors import DrafterError
+from woodcock.runtime import decode
 from woodcock.runtime.batch import SequenceBatch
 from woodcock.runtime.decode import (
     GREEDY,
@@ -93,16 +94,26 @@ def test_proposals_cut_short_in_a_batch_change_the_speed_only():
     assert batched(target, drafter, lookup, prompts, 30, joins=[0, 0, 0], longest=2) == expected
 
 
-def test_plain_batched_rounds_draft_nothing_and_keep_the_output():
+def test_plain_batched_rounds_draft_nothing_and_keep_the_output(monkeypatch):
     target, drafter, lookup = runtime_pair("eagle3+lookup")
     expected = [alone(target, drafter, lookup, p, 20) for p in PROMPTS[:3]]
-    calls = []
+    calls, together = [], []
     original = drafter.propose
     drafter.propose = lambda *args: calls.append(args) or original(*args)  # own_state copies it
+    original_together = decode.propose_together
+
+    def spy(drafters, lengths, samplers):
+        together.append(list(lengths))
+        return original_together(drafters, lengths, samplers)
+
+    monkeypatch.setattr(decode, "propose_together", spy)
     assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=0) == expected
-    assert calls == []
+    assert calls == [] and together == []
     assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=3) == expected
-    assert calls and all(k <= 3 for k, _ in calls)
+    # the drafters of a batch draft together (each as far as its own policy says), one alone
+    # where no other drafts in that round
+    assert together and all(len(lengths) > 1 and max(lengths) <= 3 for lengths in together)
+    assert all(k <= 3 for k, _ in calls)
 
 
 def test_drafting_choice_takes_the_faster_way_and_retries_the_other():

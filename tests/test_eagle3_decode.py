@@ -180,6 +180,50 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
     assert not chi_square_exceeds(second, second_p)
 
 
+def test_sampling_in_a_batch_whose_drafters_draft_together_follows_the_target(demo, monkeypatch):
+    from stats_helpers import chi_square_exceeds, exact_marginals
+
+    from woodcock.runtime import decode
+    from woodcock.runtime.batch import SequenceBatch
+    from woodcock.runtime.decode import SpeculativeSequence, batched_round
+    from woodcock.runtime.policy import FixedPolicy
+    from woodcock.runtime.sampling import Sampling
+    from woodcock.serve.batching import own_state
+
+    # a mostly right drafter: most drafts are accepted, so a draft drawn from anything but the
+    # distribution judged against (e.g. greedy drafts) moves the second token's distribution
+    path, model, tokenizer = demo
+    drafter = bigram_drafter(path)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    sampling = Sampling(temperature=1.0)
+    prompt = tokenizer.encode("The quick brown")
+    first_p, second_p = exact_marginals(model, prompt, sampling, 2)
+    together = []
+    original = decode.propose_together
+    monkeypatch.setattr(
+        decode, "propose_together", lambda *args: together.append(1) or original(*args)
+    )
+    first, second = np.zeros_like(first_p), np.zeros_like(second_p)
+    accepted = 0
+    for seed in range(400):
+        mx.random.seed(seed)
+        batch, sequences = SequenceBatch(target, 3), []
+        for _ in range(3):  # three requests of the same prompt: three draws a run
+            sequence = SpeculativeSequence(
+                prompt, target, own_state(runtime), policy=FixedPolicy(3), sampling=sampling
+            )
+            first[sequence.start()[0][0]] += 1
+            sequence.rows = batch.add(target.cache)
+            sequences.append(sequence)
+        for sequence, steps in zip(sequences, batched_round(batch, sequences), strict=True):
+            second[steps[0][0]] += 1
+            accepted += sequence.stats.accepted[-1]
+    assert len(together) == 400 and accepted > 2 * 1200
+    assert not chi_square_exceeds(first, first_p)
+    assert not chi_square_exceeds(second, second_p)
+
+
 def test_auto_policy_copies_as_far_as_the_profile_says_it_pays(tmp_path):
     from woodcock.runtime.latency import LatencyProfile, write_profile
     from woodcock.runtime.policy import AutoPolicy

@@ -23,7 +23,12 @@ from woodcock.reference.layers import apply_rope as torch_apply_rope
 from woodcock.reference.layers import inverse_frequencies as torch_inverse_frequencies
 from woodcock.reference.layers import rms_norm as torch_rms_norm
 from woodcock.reference.layers import rope_tables as torch_rope_tables
-from woodcock.runtime.eagle3 import Eagle3Drafter, Eagle3Model
+from woodcock.runtime.eagle3 import (
+    Eagle3Drafter,
+    Eagle3Model,
+    can_propose_together,
+    propose_together,
+)
 from woodcock.runtime.layers import (
     KVCache,
     RoPE,
@@ -33,6 +38,7 @@ from woodcock.runtime.layers import (
     rope_tables,
     to_mx,
 )
+from woodcock.serve.batching import own_state
 from woodcock.synthetic import random_drafter, tiny_spec
 from woodcock.tensorfile import write_safetensors
 
@@ -359,6 +365,47 @@ def test_sampled_chain_uses_the_sampler_index():
     assert set(tokens.tolist()) <= set(drafter.vocab.target_ids(spec).tolist())
 
 
+def test_drafters_propose_together_as_each_proposes_alone():
+    spec, drafter, _ = tiny_runtime()
+    shared = Eagle3Drafter(drafter, target_tensors())
+    together = [own_state(shared) for _ in range(3)]
+    alone = [Eagle3Drafter(drafter, target_tensors()) for _ in range(3)]
+    # per round, each drafter's new context rows (0: none, it proposes again from the same
+    # row) and draft length; the contexts grow unevenly, so rows pad and lengths differ
+    rounds = [([3, 1, 5], [1, 3, 2]), ([1, 2, 1], [2, 1, 3]), ([4, 0, 2], [3, 2, 1])]
+    seed = 0
+    for new_rows, lengths in rounds:
+        for row, n in enumerate(new_rows):
+            if n:
+                seed += 1
+                tokens = [int(t) for t in np.random.default_rng(seed).integers(0, V, n)]
+                taps = mx.array(random_taps(n, A * H, seed))
+                together[row].add_context(tokens, taps)
+                alone[row].add_context(tokens, taps)
+        assert can_propose_together(together)
+        got = propose_together(together, lengths, [greedy] * 3)
+        for runtime, k, (tokens, logits) in zip(alone, lengths, got, strict=True):
+            expected_tokens, expected_logits = runtime.propose(k, greedy)
+            assert np.array(tokens).tolist() == np.array(expected_tokens).tolist()
+            assert np.abs(np.array(logits) - np.array(expected_logits)).max() <= 1e-5
+    # the state each is left in is its own: proposing alone from it continues as before
+    for mine, theirs in zip(together, alone, strict=True):
+        assert mine._context == theirs._context
+        assert np.array(mine.propose(3, greedy)[0]).tolist() == (
+            np.array(theirs.propose(3, greedy)[0]).tolist()
+        )
+
+
+def test_only_windowless_drafters_of_one_model_propose_together():
+    _, drafter, runtime = tiny_runtime()
+    assert not can_propose_together([runtime, Eagle3Drafter(drafter, target_tensors())])
+    _, _, windowed = tiny_runtime(window=3)
+    assert not can_propose_together([windowed, own_state(windowed)])
+    _, _, context_free = tiny_runtime()
+    with pytest.raises(DrafterError, match="no context rows"):
+        propose_together([context_free, own_state(context_free)], [1, 1], [greedy] * 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Truncated heads
 
@@ -592,8 +639,6 @@ def test_parity_covers_block_drafters_and_refuses_missing_targets():
         assert parity(make_drafter(tiny_spec(algorithm)), target_tensors())["ok"]
     with pytest.raises(DrafterError, match="shares its embedding with the target"):
         parity(make_drafter(tiny_spec("eagle3")))
-
-
 
 
 @pytest.fixture

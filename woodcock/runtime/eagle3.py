@@ -20,6 +20,7 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, DrafterSpec, Eagle3
+from woodcock.runtime.batch import RowCache
 from woodcock.runtime.layers import DecoderLayer, KVCache, RMSNorm, to_mx, transpose_linears
 from woodcock.target_checkpoint import drafter_arrays
 
@@ -96,6 +97,27 @@ class Eagle3Model(nn.Module):
             )
             if collect is not None:
                 collect.append(x)
+        return x
+
+    def forward_rows(self, tokens: mx.array, hidden: mx.array, caches: list[RowCache]) -> mx.array:
+        """Several sequences at once, each in its row of `caches` (their shared `lengths`: each
+        sequence's cached rows): tokens [B, T], hidden [B, T, H] -> the last layer's output
+        [B, T, H]. The caches take the rows at each sequence's next positions; moving the
+        lengths on is the caller's (a padding row is not its sequence's). No sliding window:
+        every row sees all its sequence's earlier rows, as `__call__` does without one."""
+        offset = mx.array(caches[0].lengths) + 1  # row index r is position r + 1
+        mask = caches[0].make_mask(tokens.shape[1])  # [B, 1, T, S]
+        embeds = self.embed_tokens(tokens)
+        x = hidden
+        for i, layer in enumerate(self.layers):
+            x, _, _ = layer(
+                x,
+                offset,
+                mask,
+                cache=caches[i],
+                embeds=embeds if i == 0 else None,
+                norm_before_residual=self.algorithm.norm_before_residual,
+            )
         return x
 
     def head(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -268,6 +290,105 @@ class Eagle3Drafter:
             all_logits.append(step_logits[0])
             drafted.append(self.head_target_ids[sampler(step_logits[0])])
         return mx.stack(drafted), mx.stack(all_logits)
+
+
+def can_propose_together(drafters: Sequence[object]) -> bool:
+    """Whether `propose_together` takes these drafters: EAGLE-3 drafters over one model (a
+    session's, each with its own state) whose layers have no sliding window."""
+    first = drafters[0]
+    return (
+        isinstance(first, Eagle3Drafter)
+        and all(isinstance(d, Eagle3Drafter) and d.model is first.model for d in drafters)
+        and all(layer.sliding_window is None for layer in first.spec.layers)
+    )
+
+
+def propose_together(
+    drafters: Sequence[Eagle3Drafter], lengths: Sequence[int], samplers: Sequence[Sampler]
+) -> list[tuple[mx.array, mx.array]]:
+    """`drafters[i].propose(lengths[i], samplers[i])` for every i (`can_propose_together`), in
+    one forward a step instead of one per drafter: on a few CPU cores a drafter step costs about
+    the same for one sequence's rows as for four (its weights are read once), and on a GPU each
+    forward is launches. Each drafter's state ends as its own `propose` leaves it (pending
+    context rows run and cached, the last one's logits kept), except that the chain rows are
+    not cached (the next add_context or propose drops them anyway). The drafts may differ from
+    `propose`'s only where rounding over more rows flips a near tie."""
+    model, count = drafters[0].model, len(drafters)
+    pending, starts = [], []
+    for drafter in drafters:
+        if not drafter._pending and drafter._first is None:
+            raise DrafterError("propose: no context rows; call add_context first")
+        drafter._drop_chain()
+        rows = None
+        if drafter._pending:
+            rows = (
+                mx.concatenate([t for t, _ in drafter._pending]),
+                mx.concatenate([g for _, g in drafter._pending]),
+            )
+        pending.append(rows)
+        starts.append(drafter._context)
+    cached = list(starts)  # each sequence's rows in the batch caches
+    caches = [RowCache(cached, count) for _ in model.layers]
+    for layer, cache in enumerate(caches):
+        for row, drafter in enumerate(drafters):
+            cache.write_row(row, drafter._caches[layer])
+
+    firsts = [drafter._first for drafter in drafters]
+    width = max((rows[0].shape[0] for rows in pending if rows is not None), default=0)
+    if width:
+        taps_width = drafters[0]._taps_width
+        tokens, taps = [], []
+        for rows in pending:
+            n = 0 if rows is None else rows[0].shape[0]
+            tokens.append(
+                mx.zeros((width,), mx.int32) if rows is None else mx.pad(rows[0], (0, width - n))
+            )
+            taps.append(
+                mx.zeros((width, taps_width), drafters[0].dtype)
+                if rows is None
+                else mx.pad(rows[1], [(0, width - n), (0, 0)])
+            )
+        tokens, taps = mx.stack(tokens), mx.stack(taps)  # [B, W], [B, W, A*Ht]
+        x = model.forward_rows(tokens, model.fuse(taps), caches)  # [B, W, H]
+        last = [0 if rows is None else rows[0].shape[0] - 1 for rows in pending]
+        logits, state = model.head(x[mx.arange(count), mx.array(last)])  # [B, Vh], [B, H]
+        for row, (drafter, rows) in enumerate(zip(drafters, pending, strict=True)):
+            if rows is None:
+                continue
+            n = rows[0].shape[0]
+            cached[row] += n
+            firsts[row] = (logits[row], state[row : row + 1])
+            for layer, cache in enumerate(caches):
+                drafter._caches[layer].update_and_fetch(
+                    cache.keys[row : row + 1, :, starts[row] : starts[row] + n],
+                    cache.values[row : row + 1, :, starts[row] : starts[row] + n],
+                )
+            drafter._context, drafter._first, drafter._pending = cached[row], firsts[row], []
+
+    head_ids = drafters[0].head_target_ids
+
+    def draw(step: int, logits: mx.array) -> mx.array:  # [B, Vh] -> target ids [B]
+        # a drafter past its own length is not asked (its sampler may draw random numbers)
+        return head_ids[
+            mx.stack(
+                [
+                    samplers[row](logits[row]) if step < lengths[row] else mx.argmax(logits[row])
+                    for row in range(count)
+                ]
+            )
+        ]
+
+    logits = mx.stack([first[0] for first in firsts])  # [B, Vh]
+    state = mx.concatenate([first[1] for first in firsts])  # [B, H]
+    all_logits, drafted = [logits], [draw(0, logits)]
+    for step in range(1, max(lengths)):
+        x = model.forward_rows(drafted[-1][:, None], state[:, None], caches)  # [B, 1, H]
+        cached[:] = [length + 1 for length in cached]
+        logits, state = model.head(x[:, 0])
+        all_logits.append(logits)
+        drafted.append(draw(step, logits))
+    drafted, all_logits = mx.stack(drafted), mx.stack(all_logits)  # [K, B], [K, B, Vh]
+    return [(drafted[:k, row], all_logits[:k, row]) for row, k in enumerate(lengths)]
 
 
 def _head_rows(head_ids: np.ndarray | None, draft_vocab: int) -> np.ndarray | None:

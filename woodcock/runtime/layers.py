@@ -235,20 +235,22 @@ class Attention(nn.Module):
         self.rope = RoPE(layer)
 
     def _heads(self, x: mx.array, heads: int) -> mx.array:
-        """[T, heads * hd] -> [1, heads, T, hd]."""
-        return x.reshape(1, x.shape[0], heads, self.head_dim).transpose(0, 2, 1, 3)
+        """[T, heads * hd] or [B, T, heads * hd] -> [B (1), heads, T, hd]."""
+        return x.reshape(-1, x.shape[-2], heads, self.head_dim).transpose(0, 2, 1, 3)
 
     def queries(self, x: mx.array, offset: int | mx.array) -> mx.array:
-        """x [T, width_in] at positions offset.. -> q [1, nh, T, hd] after q_norm and RoPE."""
-        q = self.q_proj(x).reshape(1, x.shape[0], self.num_heads, self.head_dim)
+        """x [(B,) T, width_in] at positions offset.. (an mx.array: one start per batch entry)
+        -> q [B (1), nh, T, hd] after q_norm and RoPE."""
+        q = self.q_proj(x).reshape(-1, x.shape[-2], self.num_heads, self.head_dim)
         if self.qk_norm:
             # Per head, before the heads move to axis 1 (the norm is over hd either way).
             q = self.q_norm(q)
         return self.rope(q.transpose(0, 2, 1, 3), offset)
 
     def keys_values(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
-        """x [S, width_in] -> k, v [1, nkv, S, hd]; k after k_norm and RoPE, v untouched."""
-        k = self.k_proj(x).reshape(1, x.shape[0], self.num_kv_heads, self.head_dim)
+        """x [(B,) S, width_in] -> k, v [B (1), nkv, S, hd]; k after k_norm and RoPE, v
+        untouched."""
+        k = self.k_proj(x).reshape(-1, x.shape[-2], self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             k = self.k_norm(k)
         k = self.rope(k.transpose(0, 2, 1, 3), offset)
@@ -257,11 +259,12 @@ class Attention(nn.Module):
     def attend(
         self, q: mx.array, keys: mx.array, values: mx.array, mask: str | mx.array | None
     ) -> mx.array:
-        """q [1, nh, T, hd], keys/values [1, nkv, S, hd] (GQA: not repeated), mask None, "causal"
-        (lower-right aligned: the last query row is the last key), or [T, S] boolean (True =
-        visible) or additive -> o_proj output [T, H]. Every row must see at least one key."""
+        """q [B, nh, T, hd], keys/values [B, nkv, S, hd] (GQA: not repeated), mask None, "causal"
+        (lower-right aligned: the last query row is the last key), or [T, S] (a batch: [B, 1, T,
+        S]) boolean (True = visible) or additive -> o_proj output [B, T, H]. Every row must see
+        at least one key."""
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(q.shape[2], -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(q.shape[0], q.shape[2], -1))
 
 
 @partial(mx.compile, shapeless=True)
@@ -327,13 +330,15 @@ class DecoderLayer(nn.Module):
         out_rows: int | None = None,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """x [T, H], rows at positions offset .. offset + T - 1 -> (y [R, H], k, v [1, nkv, T, hd]
-        of these rows).
+        of these rows). Several sequences at once: x [B, T, H], offset [B] (an mx.array), a
+        cache holding B rows (woodcock.runtime.batch.RowCache) and a [B, 1, T, S] mask -> y
+        [B, R, H].
 
         The keys attended are [prefix ; cache rows (these rows appended) or these rows], from
         index key_start on (a sliding window drops the ones before it). out_rows: compute y for
         the last R rows only (keys/values still for all T); mask then has R rows.
         """
-        rows = x.shape[0]
+        rows = x.shape[-2]
         attn_in, residual = self.attention_input(x, embeds, norm_before_residual)
         k, v = self.self_attn.keys_values(attn_in, offset)
         keys, values = cache.update_and_fetch(k, v) if cache is not None else (k, v)
@@ -343,8 +348,9 @@ class DecoderLayer(nn.Module):
         if key_start:
             keys, values = keys[:, :, key_start:], values[:, :, key_start:]
         if out_rows is not None and out_rows < rows:
-            attn_in, residual = attn_in[rows - out_rows :], residual[rows - out_rows :]
+            kept = slice(rows - out_rows, None)
+            attn_in, residual = attn_in[..., kept, :], residual[..., kept, :]
             offset = offset + rows - out_rows
         q = self.self_attn.queries(attn_in, offset)
-        y = residual + self.self_attn.attend(q, keys, values, mask)
+        y = residual + self.self_attn.attend(q, keys, values, mask).reshape(residual.shape)
         return y + self.mlp(self.post_attention_layernorm(y)), k, v
