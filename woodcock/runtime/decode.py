@@ -224,9 +224,10 @@ def batched_round(
 
 def propose_all(sequences: Sequence[SpeculativeSequence], longest: int | None = None) -> list:
     """Each sequence's `propose(longest)`, with the EAGLE-3 drafters of those that draft in one
-    forward a step (woodcock.runtime.eagle3.propose_together; the default pair's drafter, 4
-    sequences, 3 drafts each, 2 vCPU: 18 ms, against 50 ms one after another). A sequence
-    sampling with its own PRNG key drafts alone, so that its draws are those it draws alone."""
+    forward a step (woodcock.runtime.eagle3.propose_together; `benchmarks/batch_bench.py`, the
+    default pair, 4 requests at fixed:3, 2 vCPU: 16 ms of drafting a round, against 36 ms one
+    after another). A sequence sampling with its own PRNG key drafts alone, so that its draws
+    are those it draws alone."""
     start = time.perf_counter()
     lengths = [sequence.plan(longest) for sequence in sequences]
     together = [i for i, s in enumerate(sequences) if lengths[i] and not s.seeded]
