@@ -48,7 +48,7 @@ class DraftTimer:
         self.together, self.seconds = together, 0.0
 
     def __enter__(self):
-        self.propose_all, self.can = decode.propose_all, decode.can_propose_together
+        self.propose_all, self.modules = decode.propose_all, decode.DRAFTING_TOGETHER
 
         def timed(*args):
             start = time.perf_counter()
@@ -59,11 +59,11 @@ class DraftTimer:
 
         decode.propose_all = timed
         if not self.together:
-            decode.can_propose_together = lambda drafters: False
+            decode.DRAFTING_TOGETHER = ()
         return self
 
     def __exit__(self, *exc):
-        decode.propose_all, decode.can_propose_together = self.propose_all, self.can
+        decode.propose_all, decode.DRAFTING_TOGETHER = self.propose_all, self.modules
 
 
 def run(session, prompts, policy: str, together: bool, max_tokens: int) -> dict:

@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 from test_serve import runtime_pair
 
 from woodcock.errors import DrafterError
-from woodcock.runtime import decode
+from woodcock.runtime import block, eagle3
 from woodcock.runtime.batch import SequenceBatch
 from woodcock.runtime.decode import (
     GREEDY,
@@ -94,19 +94,20 @@ def test_proposals_cut_short_in_a_batch_change_the_speed_only():
     assert batched(target, drafter, lookup, prompts, 30, joins=[0, 0, 0], longest=2) == expected
 
 
-def test_plain_batched_rounds_draft_nothing_and_keep_the_output(monkeypatch):
-    target, drafter, lookup = runtime_pair("eagle3+lookup")
+@pytest.mark.parametrize(("kind", "module"), [("eagle3+lookup", eagle3), ("dspark", block)])
+def test_plain_batched_rounds_draft_nothing_and_keep_the_output(monkeypatch, kind, module):
+    target, drafter, lookup = runtime_pair(kind)
     expected = [alone(target, drafter, lookup, p, 20) for p in PROMPTS[:3]]
     calls, together = [], []
     original = drafter.propose
     drafter.propose = lambda *args: calls.append(args) or original(*args)  # own_state copies it
-    original_together = decode.propose_together
+    original_together = module.propose_together
 
     def spy(drafters, lengths, samplers):
         together.append(list(lengths))
         return original_together(drafters, lengths, samplers)
 
-    monkeypatch.setattr(decode, "propose_together", spy)
+    monkeypatch.setattr(module, "propose_together", spy)
     assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=0) == expected
     assert calls == [] and together == []
     assert batched(target, drafter, lookup, PROMPTS[:3], 20, joins=[0, 0, 0], longest=3) == expected

@@ -183,7 +183,7 @@ def test_sampling_with_a_real_eagle3_drafter_follows_the_target():
 def test_sampling_in_a_batch_whose_drafters_draft_together_follows_the_target(demo, monkeypatch):
     from stats_helpers import chi_square_exceeds, exact_marginals
 
-    from woodcock.runtime import decode
+    from woodcock.runtime import eagle3
     from woodcock.runtime.batch import SequenceBatch
     from woodcock.runtime.decode import SpeculativeSequence, batched_round
     from woodcock.runtime.policy import FixedPolicy
@@ -200,9 +200,9 @@ def test_sampling_in_a_batch_whose_drafters_draft_together_follows_the_target(de
     prompt = tokenizer.encode("The quick brown")
     first_p, second_p = exact_marginals(model, prompt, sampling, 2)
     together = []
-    original = decode.propose_together
+    original = eagle3.propose_together
     monkeypatch.setattr(
-        decode, "propose_together", lambda *args: together.append(1) or original(*args)
+        eagle3, "propose_together", lambda *args: together.append(1) or original(*args)
     )
     first, second = np.zeros_like(first_p), np.zeros_like(second_p)
     accepted = 0

@@ -19,9 +19,10 @@ from woodcock.ir import Drafter, Head, Taps, Target
 from woodcock.loading import load_drafter
 from woodcock.parity import block_parity
 from woodcock.reference import TorchDrafter
-from woodcock.runtime.block import BlockDrafter
+from woodcock.runtime.block import BlockDrafter, can_propose_together, propose_together
 from woodcock.runtime.decode import Stats
 from woodcock.runtime.target import MlxTarget
+from woodcock.serve.batching import own_state
 from woodcock.synthetic import random_drafter, tiny_spec
 
 V, H = 96, 32  # tiny_spec's target vocab and hidden size
@@ -313,6 +314,43 @@ def test_propose_k_is_the_prefix(name):
         runtime.propose(runtime.num_drafts + 1, greedy)
     with pytest.raises(DrafterError, match="k = 0"):
         runtime.propose(0, greedy)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_drafters_propose_together_as_each_proposes_alone(name):
+    """Three drafters of one model with contexts of different lengths (so the blocks sit at
+    different positions, windows cut differently) and different draft counts, round after
+    round: together, each drafts what it drafts alone."""
+    drafter = make_drafter(CASES[name])
+    tensors = target_tensors()
+    shared = BlockDrafter(drafter, tensors)
+    together = [own_state(shared) for _ in range(3)]
+    alone = [BlockDrafter(drafter, tensors) for _ in range(3)]
+    assert can_propose_together(together)
+    assert not can_propose_together([together[0], alone[0]])
+    most = shared.num_drafts
+    rng = np.random.default_rng(9)
+    for new_rows in ([7, 2, 4], [1, 3, 2], [2, 1, 5]):
+        lengths = [int(k) for k in rng.integers(1, most + 1, 3)]
+        for row, n in enumerate(new_rows):
+            tokens = mx.array(rng.integers(0, V, n).astype(np.int32))
+            taps = mx.array(rng.standard_normal((n, 3 * H), dtype=np.float32))
+            together[row].add_context(tokens, taps)
+            alone[row].add_context(tokens, taps)
+        got = propose_together(together, lengths, [greedy] * 3)
+        for mine, theirs, k, (tokens, logits) in zip(together, alone, lengths, got, strict=True):
+            expected_tokens, expected_logits = theirs.propose(k, greedy)
+            assert np.array(tokens).tolist() == np.array(expected_tokens).tolist()
+            np.testing.assert_allclose(np.array(logits), np.array(expected_logits), atol=1e-5)
+            if theirs.last_confidence is None:
+                assert mine.last_confidence is None
+            else:
+                np.testing.assert_allclose(
+                    np.array(mine.last_confidence), np.array(theirs.last_confidence), atol=1e-5
+                )
+            assert mine.context_length == theirs.context_length
+    with pytest.raises(DrafterError, match=f"k = {most + 1}: expected 1 to"):
+        propose_together(together, [1, most + 1, 1], [greedy] * 3)
 
 
 def test_num_drafts_and_head_ids():

@@ -24,6 +24,7 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DFlash, Drafter, DrafterSpec, DSpark
+from woodcock.runtime.batch import RowCache
 from woodcock.runtime.layers import (
     DecoderLayer,
     KVCache,
@@ -294,12 +295,7 @@ class BlockDrafter:
         >= 1 predicts position p+j. DSpark's Markov head reads the target id of the token
         before the one a slot predicts: the anchor, then the previous draft. `last_confidence`
         is then the confidence head's estimate [k] for each draft (DSpark), else None."""
-        if not 1 <= k <= self.num_drafts:
-            raise DrafterError(
-                f"propose: k = {k}: expected 1 to {self.num_drafts} drafts"
-                f" (block_size {self.algorithm.block_size},"
-                f" sample_from_anchor {self.algorithm.sample_from_anchor})"
-            )
+        self._check_drafts(k)
         hidden = self.block_hidden()
         first = 0 if self.algorithm.sample_from_anchor else 1
         rows = hidden[first : first + k]
@@ -307,6 +303,14 @@ class BlockDrafter:
         tokens, logits, confidence = self.draft_slots(hidden, base, k, sampler)
         self.last_confidence = confidence
         return tokens, logits
+
+    def _check_drafts(self, k: int) -> None:
+        if not 1 <= k <= self.num_drafts:
+            raise DrafterError(
+                f"propose: k = {k}: expected 1 to {self.num_drafts} drafts"
+                f" (block_size {self.algorithm.block_size},"
+                f" sample_from_anchor {self.algorithm.sample_from_anchor})"
+            )
 
     def draft_slots(
         self,
@@ -377,6 +381,68 @@ class BlockDrafter:
         gate = mx.sigmoid(gate_raw)
         # The bias reads `out`, computed from the state before this slot's update.
         return gate * state + (1.0 - gate) * mx.tanh(candidate), out
+
+
+def can_propose_together(drafters: Sequence[object]) -> bool:
+    """Whether `propose_together` takes these drafters: block drafters over one model (a
+    session's, each with its own context)."""
+    first = drafters[0]
+    return isinstance(first, BlockDrafter) and all(
+        isinstance(d, BlockDrafter) and d.model is first.model for d in drafters
+    )
+
+
+def propose_together(
+    drafters: Sequence[BlockDrafter], lengths: Sequence[int], samplers: Sequence[Sampler]
+) -> list[tuple[mx.array, mx.array]]:
+    """`drafters[i].propose(lengths[i], samplers[i])` for every i (`can_propose_together`): one
+    backbone forward and one head matmul for all the blocks, each block at its own positions
+    after its own context (each drafter's cached rows gathered into the rows of one batch
+    cache; the blocks' keys there are scratch, so no drafter's state changes but its
+    `last_confidence`); the draft slots (Markov head, sampling) then run drafter by drafter.
+    The drafts may differ from `propose`'s only where rounding over more rows flips a near
+    tie."""
+    first_drafter, count = drafters[0], len(drafters)
+    model, algorithm = first_drafter.model, first_drafter.algorithm
+    for drafter, k in zip(drafters, lengths, strict=True):
+        drafter._check_drafts(k)
+        if drafter._anchor is None:
+            raise DrafterError("propose: no context rows; call add_context first")
+    contexts = [drafter._length for drafter in drafters]  # never moved: the blocks are scratch
+    caches = [RowCache(contexts, count) for _ in model.layers]
+    for layer, cache in enumerate(caches):
+        for row, drafter in enumerate(drafters):
+            cache.write_row(row, drafter._caches[layer])
+    x = model.embed_tokens(mx.stack([drafter._anchor for drafter in drafters]))[:, None]
+    if "mask_rows" in first_drafter._fast:
+        masks = first_drafter._fast["mask_rows"]  # [B - 1, H]
+        x = mx.concatenate([x, mx.broadcast_to(masks[None], (count, *masks.shape))], axis=1)
+    block = x.shape[1]  # x [N, B, H]: each drafter's [anchor, MASK x (B-1)]
+    starts = mx.array(contexts)  # [N] each block's first position
+    first_keys = starts[:, None, None, None]
+    keys = mx.arange(max(contexts) + block)[None, None, None, :]  # [1, 1, 1, S]
+    for layer, cache in zip(model.layers, caches, strict=True):
+        config = layer.config
+        # as `block_hidden`: every context key, then the block (causal: up to the slot itself),
+        # a window keeping the context keys at >= p - W
+        if config.attention == "block_causal":
+            visible = keys <= first_keys + mx.arange(block)[None, None, :, None]
+        else:
+            visible = keys < first_keys + block
+        if config.sliding_window is not None:
+            visible = visible & (keys >= first_keys - config.sliding_window)
+        mask = mx.broadcast_to(visible, (count, 1, block, keys.shape[-1]))
+        x, _, _ = layer(x, starts, mask, cache=cache)
+    hidden = model.norm(x)  # [N, B, H]
+    first, most = (0 if algorithm.sample_from_anchor else 1), max(lengths)
+    rows = hidden[:, first : first + most]  # [N, K, H]
+    base = first_drafter.logits(rows.reshape(-1, rows.shape[-1])).reshape(count, most, -1)
+    proposals = []
+    for i, (drafter, k, sampler) in enumerate(zip(drafters, lengths, samplers, strict=True)):
+        tokens, logits, confidence = drafter.draft_slots(hidden[i], base[i, :k], k, sampler)
+        drafter.last_confidence = confidence
+        proposals.append((tokens, logits))
+    return proposals
 
 
 HEAD_BLOCK = 256

@@ -17,8 +17,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from woodcock.runtime import block, eagle3
 from woodcock.runtime.batch import SequenceBatch
-from woodcock.runtime.eagle3 import can_propose_together, propose_together
 from woodcock.runtime.ngram import PromptLookup
 from woodcock.runtime.sampling import (
     LogitsProcessor,
@@ -30,6 +30,7 @@ from woodcock.runtime.sampling import (
 from woodcock.runtime.target import MlxTarget
 
 PREFILL_CHUNK = 512
+DRAFTING_TOGETHER = (eagle3, block)  # modules whose drafters of a batch can draft together
 MAX_PROPOSAL = 1 << 30  # no limit on a round's proposal but the policy's
 GREEDY = Sampling()
 NO_DRAFTS = (mx.zeros((0,), mx.int32), mx.zeros((0, 0)))  # tokens [0], logits [0, Vh]
@@ -223,27 +224,24 @@ def batched_round(
 
 
 def propose_all(sequences: Sequence[SpeculativeSequence], longest: int | None = None) -> list:
-    """Each sequence's `propose(longest)`, with the EAGLE-3 drafters of those that draft in one
-    forward a step (woodcock.runtime.eagle3.propose_together; `benchmarks/batch_bench.py`, the
-    default pair, 4 requests at fixed:3, 2 vCPU: 16 ms of drafting a round, against 36 ms one
-    after another). A sequence sampling with its own PRNG key drafts alone, so that its draws
-    are those it draws alone."""
+    """Each sequence's `propose(longest)`, the drafters of those that draft running together
+    where their module can (`propose_together`: EAGLE-3, one forward a chain step; block
+    drafters, one forward for all blocks; `benchmarks/batch_bench.py`, the default pair, 4
+    requests at fixed:3, 2 vCPU: 16 ms of drafting a round, against 36 ms one after another).
+    A sequence sampling with its own PRNG key drafts alone, so that its draws are those it
+    draws alone."""
     start = time.perf_counter()
     lengths = [sequence.plan(longest) for sequence in sequences]
     together = [i for i, s in enumerate(sequences) if lengths[i] and not s.seeded]
+    drafters = [sequences[i].drafter for i in together]
     drafted = {}
-    if len(together) > 1 and can_propose_together([sequences[i].drafter for i in together]):
-        drafted = dict(
-            zip(
-                together,
-                propose_together(
-                    [sequences[i].drafter for i in together],
-                    [lengths[i] for i in together],
-                    [sequences[i]._sample for i in together],
-                ),
-                strict=True,
+    for module in DRAFTING_TOGETHER if len(together) > 1 else ():
+        if module.can_propose_together(drafters):
+            proposals = module.propose_together(
+                drafters, [lengths[i] for i in together], [sequences[i]._sample for i in together]
             )
-        )
+            drafted = dict(zip(together, proposals, strict=True))
+            break
     tokens = []
     for i, (sequence, length) in enumerate(zip(sequences, lengths, strict=True)):
         if i in drafted:
