@@ -36,10 +36,15 @@ DRAFTERS = ["smollm2-135m-eagle3", "smollm2-135m-dspark"]
 # (name, dtype, TF32 allowed): the default first, so a short budget still measures it
 CONFIGS = [("fp32", "float32", False), ("bf16", "bfloat16", False), ("fp32-tf32", "float32", True)]
 # clients: the requests batch_bench.py decodes together
-FULL = {"prompts": 3, "max_tokens": 128, "contexts": "64,512", "repeats": 3, "limit": 100}
-FULL["clients"] = 4
-SMALL = {"prompts": 1, "max_tokens": 8, "contexts": "16", "repeats": 1, "limit": 120}
-SMALL["clients"] = 2
+FULL = {
+    "prompts": 3,
+    "max_tokens": 128,
+    "contexts": "64,512",
+    "repeats": 3,
+    "limit": 100,
+    "clients": 4,
+}
+SMALL = {"prompts": 1, "max_tokens": 8, "contexts": "16", "repeats": 1, "limit": 120, "clients": 2}
 
 NOISE = """
 import json, sys
