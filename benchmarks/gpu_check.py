@@ -154,7 +154,6 @@ def main() -> int:
 
 
 def render(facts, noise, benches, steps: Steps) -> str:
-    seconds = steps.elapsed()
     versions = facts.get("versions") or {}
     lines = [
         "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
@@ -186,8 +185,7 @@ def render(facts, noise, benches, steps: Steps) -> str:
         if found.get("runs"):
             lines.append(f"{'':<11}plain mlx-lm {found['runs'][0]['rows'][-1]['baseline_tps']:.1f}"
                          " tok/s")  # fmt: skip
-    failed = ", ".join(steps.failed()) or "none"
-    lines += ["", f"{len(steps.done)} steps in {seconds:.0f} s; failed: {failed}"]
+    lines += ["", steps.outcome()]
     return "\n".join(lines)
 
 

@@ -450,10 +450,9 @@ def render(summary: dict, steps: Steps) -> str:
             f" identical {total['identical']}/{total['prompts']}"
         )
     p = summary.get("pieces") or {}
-    failed = ", ".join(steps.failed()) or "none"
     lines += [
         f"pieces: {p.get('pieces')} ({p.get('bytes')} bytes), left out: {p.get('left_out')}",
-        f"{len(steps.done)} steps in {steps.elapsed():.0f} s; failed: {failed}",
+        steps.outcome(),
     ]
     return "\n".join(lines)
 

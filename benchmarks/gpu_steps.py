@@ -48,9 +48,6 @@ class Steps:
     def left(self) -> float:
         return self.started + self.budget - time.perf_counter()
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
     def run(self, name: str, argv: list[str], limit: float) -> subprocess.CompletedProcess | None:
         """The finished process, or None when it was skipped or ran past min(limit, what is
         left of the budget) and was killed (its stderr is kept either way)."""
@@ -83,8 +80,11 @@ class Steps:
         with tarfile.open(archive, "w:gz") as tar:
             tar.add(self.logs, arcname=self.logs.name)
 
-    def failed(self) -> list[str]:
-        return [f"{s['step']} ({s['exit']})" for s in self.done if s["exit"] not in (0, 1)]
+    def outcome(self) -> str:
+        """The summaries' last line: how many steps ran, for how long, and which failed."""
+        failed = [f"{s['step']} ({s['exit']})" for s in self.done if s["exit"] not in (0, 1)]
+        seconds = time.perf_counter() - self.started
+        return f"{len(self.done)} steps in {seconds:.0f} s; failed: {', '.join(failed) or 'none'}"
 
 
 def last_json(done: subprocess.CompletedProcess | None) -> dict:
