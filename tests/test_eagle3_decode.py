@@ -117,6 +117,28 @@ def test_truncated_head_keeps_the_output(demo):
         assert generate_tokens(prompt, target, runtime, max_tokens=40, num_draft=4) == expected
 
 
+def test_a_fixed_length_round_waits_for_the_device_once(demo, monkeypatch):
+    """Drafts no host decision reads are computed in the verify's evaluation: one wait a round
+    (a GPU's launch and synchronisation cost is paid per wait)."""
+    path, model, tokenizer = demo
+    drafter = bigram_drafter(path)
+    target = MlxTarget(model, drafter.spec.taps.layer_ids)
+    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    prompt = tokenizer.encode("The quick brown")
+    expected = plain_greedy(model, prompt, 30)
+    evaluations = []
+    evaluate = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: evaluations.append(1) or evaluate(*arrays))
+    for k in (1, 3):
+        evaluations.clear()
+        stats = Stats()
+        got = generate_tokens(prompt, target, runtime, max_tokens=30, num_draft=k, stats=stats)
+        assert got == expected
+        rounds = len(stats.drafted)
+        prefill = len(evaluations) - rounds
+        assert rounds > 5 and prefill == 2, (k, len(evaluations), rounds)
+
+
 def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
     from woodcock.runtime.latency import LatencyProfile, write_profile
     from woodcock.runtime.policy import AutoPolicy

@@ -90,6 +90,9 @@ class Stats:
     copied: list[bool] = field(default_factory=list)  # each round: copied by prompt lookup
     # each round: drafts prompt lookup copied after the drafter's (0 in rounds that copied)
     extended: list[int] = field(default_factory=list)
+    # proposing: building the drafts and, where the host reads them (the policy's scores, a
+    # copy after them), computing them; verifying: the rest of a round until its verdict is
+    # read, the drafts' computation included where nothing read them before
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -390,14 +393,17 @@ class SpeculativeSequence:
         if copy:
             proposal = Proposal(*NO_DRAFTS, lookup.continuation(copy), copy_round=True)
         else:
+            # The drafts [d] and logits [d, Vh] reach the host only for a decision taken there
+            # (the policy's scores, a copy after them); otherwise they are computed in the
+            # round's one evaluation, with the verify that reads them.
+            drafted: list[int] | None = None
             if drafts.shape[0] and policy.needs_scores:
-                drafts, draft_logits = _verified_prefix(
+                drafts, draft_logits, drafted = _verified_prefix(
                     policy, context, self.drafter, drafts, draft_logits
                 )
-            mx.eval(drafts, draft_logits)  # [d], [d, Vh]
             copied: list[int] = []
             if (d := drafts.shape[0]) and lookup is not None and most > d:
-                drafted = drafts.tolist()
+                drafted = drafts.tolist() if drafted is None else drafted
                 more = min(lookup.copy_length(drafted), most - d)
                 more = policy.extension_length(context, d, more) if more else 0
                 copied = lookup.continuation(more, drafted) if more else []
@@ -441,17 +447,17 @@ class SpeculativeSequence:
         lookup's) context. The steps the stream yields for them."""
         m, bonus, taps = self.verdict
         proposal, accepted = self._proposal, m.item()
+        # read from arrays the verdict's evaluation computed: no further evaluation
+        emitted = proposal.tokens.tolist()[:accepted] + [bonus.item()]
         self.rows.rollback(proposal.tokens.shape[0] - accepted)
         kept = mx.concatenate([proposal.tokens[:accepted], bonus[None].astype(mx.int32)])
         self.drafter.add_context(kept, taps[: accepted + 1])
         if self.lookup is not None:
-            self.lookup.add_context(kept)
+            self.lookup.add_context(emitted)
         proposal.observed_by(self.policy, accepted)
         self.stats.record(proposal, accepted, self._draft_seconds, verify_seconds)
         self._anchor, self.verdict = bonus, []
-        return self._steps(
-            proposal.tokens[:accepted].tolist() + [bonus.item()], accepted, self._logits
-        )
+        return self._steps(emitted, accepted, self._logits)
 
 
 @dataclass
@@ -483,15 +489,17 @@ def _verified_prefix(
     policy, context: int, drafter: RuntimeDrafter, drafts: mx.array, logits: mx.array
 ):
     """Let the policy cut the drafts short from the drafter's own scores: the probability of
-    each drafted token under its logits and, for block drafters, the confidence head."""
+    each drafted token under its logits and, for block drafters, the confidence head. -> the
+    kept drafts [keep], their logits [keep, Vh] and the drafts as a list (read on the host in
+    the same evaluation)."""
     chosen = drafter.head_target_ids[None, :] == drafts[:, None]  # [k, Vh]
     probs = (mx.softmax(logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
     confidence = drafter.last_confidence
-    mx.eval(probs, *(() if confidence is None else (confidence,)))
+    mx.eval(drafts, probs, *(() if confidence is None else (confidence,)))
     keep = policy.verify_length(
         context, np.array(probs), None if confidence is None else np.array(confidence)
     )
-    return drafts[:keep], logits[:keep]
+    return drafts[:keep], logits[:keep], drafts.tolist()[:keep]
 
 
 def _prefill(
