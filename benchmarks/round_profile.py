@@ -10,7 +10,9 @@ drafter's steps as a lazy graph), draft wait, verify build (the target's forward
 and the drafts, and the verdict), verify wait, commit (rollback and bookkeeping). Forcing the
 drafts costs a wait the runtime does not pay: `round as run` is the same round as
 speculative_generate_step runs it, with its one wait; `round drafts early` the same with the
-device set to the drafts (async_eval) while the host builds the verify. A plain step is
+device set to the drafts (async_eval) while the host builds the verify; `round staged` that,
+and the device set to every 8 layers of the verify as soon as they are built (on a GPU the host
+builds while the device computes, as mlx-lm's plain decoding overlaps its steps). A plain step is
 mlx-lm's model on one token and its argmax, built then waited for; `mlx-lm generate_step` is
 plain decoding as mlx-lm runs it (it builds the next step while the device computes this one).
 Milliseconds are medians over the rounds, the best of the repeats; every kind of round must
@@ -23,6 +25,7 @@ is launch-bound, the cost to cut).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import itertools
 import json
@@ -52,6 +55,7 @@ from woodcock.runtime.session import open_session  # noqa: E402
 
 # operations that make a view of their input on a GPU: no kernel launch
 VIEWS = {"Broadcast", "Transpose", "Flatten", "Unflatten", "Reshape", "ExpandDims", "Squeeze"}
+STAGE_LAYERS = 8  # "staged" rounds: the device starts after every 8 layers of the verify
 PHASES = ["draft build", "draft wait", "verify build", "verify wait", "commit"]
 
 
@@ -59,7 +63,8 @@ def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
     """`count` greedy rounds after the prompt: (each round's seconds by phase where `mode` is
     "forced", else its whole seconds; the tokens emitted). "as run": one wait a round, as
     speculative_generate_step runs it; "drafts early": the device starts on the drafts
-    (async_eval) while the host builds the verify, still one wait."""
+    (async_eval) while the host builds the verify, still one wait; "staged": that, and the
+    verify's first layers handed to the device while the host builds the later ones."""
     sequence = SpeculativeSequence(
         prompt, session.target, session.drafter, policy=FixedPolicy(draft), stats=Stats()
     )
@@ -73,9 +78,10 @@ def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
             marks.append(time.perf_counter())
             mx.eval(proposal)
             marks.append(time.perf_counter())
-        elif mode == "drafts early":
+        elif mode != "as run":
             mx.async_eval(proposal)
-        sequence.judge(*session.target.forward(proposal))
+        with staged(session.target.layers, STAGE_LAYERS if mode == "staged" else 0):
+            sequence.judge(*session.target.forward(proposal))
         if forced:
             marks.append(time.perf_counter())
         mx.eval(sequence.verdict)
@@ -85,6 +91,34 @@ def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
         spans = [b - a for a, b in itertools.pairwise(marks)]
         timings.append(dict(zip(PHASES, spans, strict=True)) if forced else sum(spans))
     return timings, tokens
+
+
+class _Stage:
+    """Stands in for a decoder layer: calls it, hands its output to the device (async_eval)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.layer(x, *args, **kwargs)
+        mx.async_eval(out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+@contextlib.contextmanager
+def staged(layers: list, every: int):
+    """For the length of a forward, every `every`-th layer of the model's list (in place) starts
+    the device on what is built so far (0: none)."""
+    originals = list(layers)
+    if every:
+        layers[:] = [_Stage(x) if (i + 1) % every == 0 else x for i, x in enumerate(originals)]
+    try:
+        yield
+    finally:
+        layers[:] = originals
 
 
 def graph_sizes(session, prompt: list[int], draft: int) -> dict[str, int]:
@@ -156,7 +190,7 @@ def profile(session, prompt: list[int], draft: int, count: int, repeats: int) ->
         for phase in PHASES:
             keep(phase, statistics.median(t[phase] for t in phased))
         keep("round, phases forced", statistics.median(sum(t.values()) for t in phased))
-        for mode in ("as run", "drafts early"):
+        for mode in ("as run", "drafts early", "staged"):
             whole, tokens = rounds(session, prompt, draft, count, mode)
             keep(f"round {mode}", statistics.median(whole))
             identical = identical and tokens == forced_tokens
