@@ -69,12 +69,18 @@ def demo(tmp_path_factory):
     return path, model, tokenizer
 
 
-@pytest.mark.parametrize("k", [1, 3, 5, 8])
-def test_greedy_with_a_mostly_right_drafter(demo, k):
+def bigram_pair(demo):
+    """The demo target and woodcock.demo's hand-written bigram drafter on it: (model, tokenizer,
+    MlxTarget, Eagle3Drafter)."""
     path, model, tokenizer = demo
     drafter = bigram_drafter(path)
     target = MlxTarget(model, drafter.spec.taps.layer_ids)
-    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    return model, tokenizer, target, Eagle3Drafter(drafter, target.shared_tensors())
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_with_a_mostly_right_drafter(demo, k):
+    model, tokenizer, target, runtime = bigram_pair(demo)
     total = Stats()
     for text in ["The quick brown", "def add", "Paris is the", "One, two", "Small models"]:
         prompt = tokenizer.encode(text)
@@ -120,10 +126,7 @@ def test_truncated_head_keeps_the_output(demo):
 def test_a_fixed_length_round_waits_for_the_device_once(demo, monkeypatch):
     """Drafts no host decision reads are computed in the verify's evaluation: one wait a round
     (a GPU's launch and synchronisation cost is paid per wait)."""
-    path, model, tokenizer = demo
-    drafter = bigram_drafter(path)
-    target = MlxTarget(model, drafter.spec.taps.layer_ids)
-    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    model, tokenizer, target, runtime = bigram_pair(demo)
     prompt = tokenizer.encode("The quick brown")
     expected = plain_greedy(model, prompt, 30)
     evaluations = []
@@ -140,10 +143,7 @@ def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
     from woodcock.runtime.latency import LatencyProfile, write_profile
     from woodcock.runtime.policy import AutoPolicy
 
-    path, model, tokenizer = demo
-    drafter = bigram_drafter(path)
-    target = MlxTarget(model, drafter.spec.taps.layer_ids)
-    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    model, tokenizer, target, runtime = bigram_pair(demo)
     prompt = tokenizer.encode("The quick brown")
     expected = plain_greedy(model, prompt, 30)
 
@@ -211,10 +211,7 @@ def test_sampling_in_a_batch_whose_drafters_draft_together_follows_the_target(de
 
     # a mostly right drafter: most drafts are accepted, so a draft drawn from anything but the
     # distribution judged against (e.g. greedy drafts) moves the second token's distribution
-    path, model, tokenizer = demo
-    drafter = bigram_drafter(path)
-    target = MlxTarget(model, drafter.spec.taps.layer_ids)
-    runtime = Eagle3Drafter(drafter, target.shared_tensors())
+    model, tokenizer, target, runtime = bigram_pair(demo)
     sampling = Sampling(temperature=1.0)
     prompt = tokenizer.encode("The quick brown")
     first_p, second_p = exact_marginals(model, prompt, sampling, 2)
