@@ -37,8 +37,7 @@ import time
 
 from woodcock.runtime.backend import configure_tf32
 
-ALLOW_TF32 = "--allow-tf32" in sys.argv[1:]
-configure_tf32(ALLOW_TF32)  # before MLX's first matmul
+configure_tf32("--allow-tf32" in sys.argv[1:])  # before MLX's first matmul
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -211,7 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="mlx-lm model (default: the default target)")
     parser.add_argument("--drafter", help="drafter (default: the default target's shipped one)")
-    parser.add_argument("--dtype", help="the target's and drafter's dtype (default: as stored)")
+    parser.add_argument("--dtype", help="the target's and drafter's dtype (default: as bench's)")
     parser.add_argument("--allow-tf32", action="store_true", help="TF32 fp32 matmuls on CUDA")
     parser.add_argument("--draft", type=int, default=3, help="drafts a round")
     parser.add_argument("--rounds", type=int, default=32, help="rounds timed a repeat")
