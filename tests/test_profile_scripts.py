@@ -1,0 +1,52 @@
+"""benchmarks/round_profile.py and benchmarks/head_noise.py, steps of the GPU check, run on the
+CPU with the demo pair: a GPU lease is too short to find a broken script there."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from woodcock.demo import write_demo
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(name: str, *args: str) -> dict:
+    out = Path(args[args.index("--json") + 1])
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_round_profile_and_head_noise_on_the_demo_pair(tmp_path):
+    write_demo(tmp_path / "demo")
+    target = str(tmp_path / "demo" / "target")
+    found = run_script(
+        "round_profile.py",
+        *("--target", target, "--drafter", str(tmp_path / "demo" / "drafter"), "--no-chat"),
+        *("--rounds", "3", "--repeats", "1", "--json", str(tmp_path / "round.json")),
+    )
+    assert found["identical"] and found["tokens_per_round"] >= 1
+    phases = ["draft build", "draft wait", "verify build", "verify wait", "commit"]
+    rounds = ["round as run", "round drafts early", "round staged", "round, phases forced"]
+    plain = ["plain step build", "plain step wait", "plain step", "mlx-lm generate_step"]
+    assert set(found["ms"]) == set(phases + rounds + plain)
+    assert all(value > 0 for value in found["ms"].values())
+    counts = found["operations"]
+    assert counts["verify"] > counts["plain step"] > 0 and counts["draft"] > 0
+
+    noise = run_script(
+        "head_noise.py", "--target", target, "--no-chat", "--json", str(tmp_path / "head.json")
+    )
+    assert noise["dtype"] == "bfloat16"
+    # the CPU computes a bf16 row alike alone and among others, and the model's head is its own
+    assert noise["hidden"] == noise["logits"] == noise["fp32_head_logits"] == 0
+    assert noise["own_head_difference"] == 0 and noise["logit_step"] > 0
+    assert all(
+        noise[f"ms_{head}_head_{rows}_rows"] > 0 for head in ("model", "fp32") for rows in (1, 4)
+    )
