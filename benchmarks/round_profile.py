@@ -11,14 +11,14 @@ and the drafts, and the verdict), verify wait, commit (rollback and bookkeeping)
 drafts costs a wait the runtime does not pay: `round as run` is the same round as
 speculative_generate_step runs it, with its one wait; `round drafts early` the same with the
 device set to the drafts (async_eval) while the host builds the verify; `round staged` that,
-and the device set to every 8 layers of the verify as soon as they are built (on a GPU the host
-builds while the device computes, as mlx-lm's plain decoding overlaps its steps). A plain step is
-mlx-lm's model on one token and its argmax, built then waited for; `mlx-lm generate_step` is
-plain decoding as mlx-lm runs it (it builds the next step while the device computes this one).
-Milliseconds are medians over the rounds, the best of the repeats; every kind of round must
-emit the same tokens. Operations: how many the lazy graphs of a round's drafts, its verify and
-a plain step hold, views aside (on a GPU, where each launches a kernel and a small model's step
-is launch-bound, the cost to cut).
+and the device set to each quarter of the verify's layers as soon as it is built (on a GPU the
+host builds while the device computes, as mlx-lm's plain decoding overlaps its steps). A plain
+step is mlx-lm's model on one token and its argmax, built then waited for; `mlx-lm
+generate_step` is plain decoding as mlx-lm runs it (it builds the next step while the device
+computes this one). Milliseconds are medians over the rounds, the best of the repeats; every
+kind of round must emit the same tokens. Operations: how many the lazy graphs of a round's
+drafts, its verify and a plain step hold, views aside (on a GPU, where each launches a kernel
+and a small model's step is launch-bound, the cost to cut).
 """
 
 # ruff: noqa: I001  (woodcock is imported before mlx so that the CPU backend picks up OpenBLAS)
@@ -54,7 +54,7 @@ from woodcock.runtime.session import open_session  # noqa: E402
 
 # operations that make a view of their input on a GPU: no kernel launch
 VIEWS = {"Broadcast", "Transpose", "Flatten", "Unflatten", "Reshape", "ExpandDims", "Squeeze"}
-STAGE_LAYERS = 8  # "staged" rounds: the device starts after every 8 layers of the verify
+STAGES = 4  # "staged" rounds: the device starts after each quarter of the verify's layers
 PHASES = ["draft build", "draft wait", "verify build", "verify wait", "commit"]
 
 
@@ -79,7 +79,8 @@ def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
             marks.append(time.perf_counter())
         elif mode != "as run":
             mx.async_eval(proposal)
-        with staged(session.target.layers, STAGE_LAYERS if mode == "staged" else 0):
+        every = max(1, len(session.target.layers) // STAGES) if mode == "staged" else 0
+        with staged(session.target.layers, every):
             sequence.judge(*session.target.forward(proposal))
         if forced:
             marks.append(time.perf_counter())
