@@ -31,7 +31,7 @@ def test_a_healthy_drafter_exits_0(pair, capsys):
         ["doctor", "--target", str(pair / "target"), "--drafter", str(pair / "correct")], capsys
     )
     assert code == 0
-    assert "healthy: no findings" in out
+    assert "healthy: no findings" in out and "\nbackend cpu backend\n" in out
 
 
 def test_findings_exit_1_with_the_likely_causes(pair, capsys):
@@ -48,6 +48,7 @@ def test_json_is_the_report(pair, capsys):
     report = json.loads(out)
     assert code == report["exit_code"] == 1
     assert report["likely_causes"][0]["variant"] == "target_embedding"
+    assert report["backend"]["backend"] == "cpu"
 
 
 def test_an_unusable_drafter_exits_2_with_one_line(pair, tmp_path, capsys):

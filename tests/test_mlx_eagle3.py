@@ -666,6 +666,7 @@ def test_parity_command(drafter_dirs, capsys):
     code, out, err = run_cli(["parity", str(drafter_dirs["own"])], capsys)
     assert code == 0, err
     lines = out.splitlines()
+    assert lines[0].endswith("; cpu backend")
     assert lines[1].split() == ["tensor", "shape", "max", "|diff|"]
     assert any(line.startswith("logits, step 4") for line in lines)
     assert "agree" in out and lines[-1].startswith("OK: max |diff|")
@@ -685,6 +686,7 @@ def test_parity_command(drafter_dirs, capsys):
     assert code == 0, err
     report = json.loads(out)
     assert report["ok"] and report["steps"] == 2 and report["max_abs_diff"] <= TOL
+    assert report["backend"]["backend"] == "cpu"
 
 
 def test_parity_command_needs_the_target_of_a_shared_head(drafter_dirs, capsys):

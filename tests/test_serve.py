@@ -239,6 +239,8 @@ def test_stop_strings_seeds_and_sampling(server, session):
 def test_models_health_and_metrics(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model]
+    assert models.data[0].model_dump()["backend"]["backend"] == "cpu"
+    assert "; cpu backend)" in server.log.read_text()  # the line saying where it listens
     status, _, body = request(server, "GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     before = server.metric("completion_tokens")

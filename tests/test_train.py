@@ -431,7 +431,7 @@ def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys
     capsys.readouterr()
     run_cli(again + ["--resume", "--finish"])
     assert (
-        f"wrote {tmp_path / 'again'}: 4 steps (resumed at 4) (no steps in this run)"
+        f"wrote {tmp_path / 'again'}: 4 steps (resumed at 4) (no steps in this run); cpu backend"
         in capsys.readouterr().out
     )
     checkpoint, _ = read_safetensors(tmp_path / "early.ckpt" / "step-0000004" / "model.safetensors")

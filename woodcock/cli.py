@@ -190,6 +190,7 @@ def parity(
     from woodcock.parity import render_text
     from woodcock.target_checkpoint import load_target_tensors
 
+    configure_tf32(False)  # a tolerance of 1e-4 is for fp32 matmuls, not TF32's
     drafter = load_drafter(path)
     tensors = load_target_tensors(target) if target is not None else None
     report = run_parity(drafter, tensors, steps=steps)
@@ -222,6 +223,7 @@ def doctor(
 
     from woodcock.doctor import diagnose, render_text
 
+    configure_tf32(False)  # the target's logits as generate computes them
     target, drafter = resolve_pair(target, drafter)
     with Console(stderr=True).status("doctor") as status:
         report = diagnose(

@@ -33,6 +33,8 @@ from woodcock.formats.hf_config import read_rope
 from woodcock.ir import Drafter, DrafterSpec, Eagle3, Taps, VocabMap, Weights
 from woodcock.jsonfile import read_json_object
 from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.runtime.generate import encode_prompt
 from woodcock.runtime.session import runtime_drafter
 from woodcock.runtime.target import MlxTarget
@@ -103,6 +105,7 @@ def diagnose(
         "format": fmt.NAME,
         "algorithm": spec.algorithm.name,
         "taps": list(spec.taps.layer_ids),
+        "backend": backend_report(),
         "checks": {},
         "findings": [],
         "likely_causes": [],
@@ -691,6 +694,7 @@ def render_text(report: dict) -> str:
         f"drafter {report['drafter']} ({report['format']}, {report['algorithm']},"
         f" taps {report['taps']})",
         f"target  {report['target']}",
+        f"backend {describe_backend(report['backend'])}",
     ]
     checks = report["checks"]
     shape = checks.get("shape", {})

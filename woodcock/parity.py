@@ -18,6 +18,8 @@ import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.ir import DFlash, Drafter, DrafterSpec, DSpark, Eagle3
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.runtime.block import BlockDrafter
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.layers import KVCache
@@ -113,6 +115,7 @@ def _report(
         "tokens": {"mlx": mlx_tokens, "torch": torch_tokens, "agree": agree},
         "max_abs_diff": worst,
         "ok": bool(worst <= TOLERANCE and agree),
+        "backend": backend_report(),
     }
 
 
@@ -261,7 +264,8 @@ def render_text(report: dict[str, Any]) -> str:
     shape_width = max(len("shape"), *(len(str(row["shape"])) for row in tensors))
     lines = [
         f"{report['algorithm']}: MLX runtime vs torch reference, {report['dtype']},"
-        f" {report['context']} context rows, {report['steps']} greedy steps, seed {report['seed']}",
+        f" {report['context']} context rows, {report['steps']} greedy steps, seed {report['seed']};"
+        f" {describe_backend(report['backend'])}",
         f"{'tensor':<{name_width}}  {'shape':<{shape_width}}  max |diff|",
     ]
     for row in tensors:

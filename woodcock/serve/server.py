@@ -9,6 +9,8 @@ import sys
 
 from woodcock.default_target import DEFAULT_TARGET, resolve_pair, resolve_target
 from woodcock.errors import DrafterError
+from woodcock.runtime.backend import describe as describe_backend
+from woodcock.runtime.backend import report as backend_report
 from woodcock.runtime.latency import policy_with_profile
 from woodcock.runtime.machine import machine_facts, warn_slow_paths
 from woodcock.runtime.session import open_session
@@ -148,6 +150,7 @@ def serve(
         "prefix_cache_gb": prefix_cache_gb if prefix_cache else 0,
         "request_timeout": request_timeout,
         "max_batch": max_batch,
+        "backend": backend_report(),
     }
     app = create_app(
         worker,
@@ -159,7 +162,8 @@ def serve(
     address = sock.getsockname()
     print(
         f"woodcock: serving {model_id} at http://{host}:{address[1]}/v1"
-        f" ({'plain decoding' if plain else f'drafter {drafter}, policy {engine.policy}'})",
+        f" ({'plain decoding' if plain else f'drafter {drafter}, policy {engine.policy}'};"
+        f" {describe_backend(description['backend'])})",
         file=sys.stderr,
         flush=True,
     )

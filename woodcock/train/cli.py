@@ -142,6 +142,7 @@ def train(ctx: typer.Context, **values: Any) -> None:
     head); writes the woodcock format with hold-out metrics in its provenance."""
     from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
 
+    from woodcock.runtime import backend
     from woodcock.train.train import train as run_train
 
     _warn_slow_paths()
@@ -184,5 +185,7 @@ def train(ctx: typer.Context, **values: Any) -> None:
         f"wrote {options.out}: {report.steps} steps"
         + (f" (resumed at {report.resumed_from})" if report.resumed_from else "")
         + this_run
+        # training takes MLX's own TF32 default: no step of it has to match another exactly
+        + f"; {backend.describe(backend.report())}"
         + summary
     )
