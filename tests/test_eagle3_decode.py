@@ -139,6 +139,41 @@ def test_a_fixed_length_round_waits_for_the_device_once(demo, monkeypatch):
     assert rounds > 5 and len(evaluations) == rounds + 2  # + the prompt's chunk and first token
 
 
+def test_a_batched_round_reads_every_sequences_draft_scores_in_one_wait(demo, monkeypatch):
+    """A policy that cuts drafts by their scores reads them on the host: the drafters that
+    draft together are read in one evaluation, then the verify in another, whatever the batch."""
+    from woodcock.runtime.batch import SequenceBatch
+    from woodcock.runtime.decode import SpeculativeSequence, batched_round
+    from woodcock.runtime.policy import FixedPolicy
+    from woodcock.serve.batching import own_state
+
+    class CutUnlikely(FixedPolicy):
+        needs_scores = True
+
+        def verify_length(self, context, draft_probs, confidence):
+            return int(np.cumprod(draft_probs > 0.3).sum())  # up to the first unlikely draft
+
+    model, tokenizer, target, runtime = bigram_pair(demo)
+    prompts = [tokenizer.encode(text) for text in ["The quick brown", "def add", "Paris is the"]]
+    batch, sequences, tokens = SequenceBatch(target, 3), [], []
+    for prompt in prompts:
+        sequence = SpeculativeSequence(prompt, target, own_state(runtime), policy=CutUnlikely(4))
+        tokens.append([step[0] for step in sequence.start()])
+        sequence.rows = batch.add(target.cache)
+        sequences.append(sequence)
+    evaluations = []
+    evaluate = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: evaluations.append(1) or evaluate(*arrays))
+    for _ in range(6):
+        for mine, steps in zip(tokens, batched_round(batch, sequences), strict=True):
+            mine += [step[0] for step in steps]
+    assert len(evaluations) == 2 * 6
+    cut = [sum(s.stats.drafted) < 4 * len(s.stats.drafted) for s in sequences]
+    assert any(cut)  # the policy did cut drafts
+    for prompt, mine in zip(prompts, tokens, strict=True):
+        assert mine == plain_greedy(model, prompt, len(mine))
+
+
 def test_auto_policy_decodes_plainly_where_no_draft_length_pays(demo, tmp_path):
     from woodcock.runtime.latency import LatencyProfile, write_profile
     from woodcock.runtime.policy import AutoPolicy

@@ -232,7 +232,8 @@ def propose_all(sequences: Sequence[SpeculativeSequence], longest: int | None = 
     drafters, one forward for all blocks; `benchmarks/batch_bench.py`, the default pair, 4
     requests at fixed:3, 2 vCPU: 16 ms of drafting a round, against 36 ms one after another).
     A sequence sampling with its own PRNG key drafts alone, so that its draws are those it
-    draws alone."""
+    draws alone. What the host reads of the drafts drafted together (`host_reads`) is
+    evaluated in one wait for all of them."""
     start = time.perf_counter()
     lengths = [sequence.plan(longest) for sequence in sequences]
     together = [i for i, s in enumerate(sequences) if lengths[i] and not s.seeded]
@@ -245,10 +246,13 @@ def propose_all(sequences: Sequence[SpeculativeSequence], longest: int | None = 
             )
             drafted = dict(zip(together, proposals, strict=True))
             break
+    reads = {i: sequences[i].host_reads(*drafted[i]) for i in drafted}
+    if any(reads.values()):
+        mx.eval(list(reads.values()))
     tokens = []
     for i, (sequence, length) in enumerate(zip(sequences, lengths, strict=True)):
         if i in drafted:
-            tokens.append(sequence.finish(*drafted[i], start))
+            tokens.append(sequence.finish(*drafted[i], start, reads[i]))
             continue
         alone = time.perf_counter()
         drafts = sequence.drafter.propose(length, sequence._sample) if length else NO_DRAFTS
@@ -384,29 +388,55 @@ class SpeculativeSequence:
             return 0
         return min(policy.draft_length(context), most) if most else 0
 
-    def finish(self, drafts: mx.array, draft_logits: mx.array, started: float) -> mx.array:
+    def host_reads(self, drafts: mx.array, draft_logits: mx.array) -> tuple[mx.array, ...]:
+        """What `finish` reads on the host of the drafter's drafts [d] and logits [d, Vh], lazy:
+        () where nothing (the drafts are then computed with the verify that reads them, in the
+        round's one evaluation); else the drafts and, where the policy cuts them by their
+        scores, each one's probability under the drafter [d] and its confidence [d] if it has
+        a head. `propose_all` evaluates those of a batch's sequences together."""
+        d, (_, most, copy) = drafts.shape[0], self._plan
+        if copy or not d:
+            return ()
+        scores: tuple[mx.array, ...] = ()
+        if self.policy.needs_scores:
+            chosen = self.drafter.head_target_ids[None, :] == drafts[:, None]  # [d, Vh]
+            probs = (mx.softmax(draft_logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
+            confidence = self.drafter.last_confidence
+            scores = (probs,) if confidence is None else (probs, confidence)
+        extends = self.lookup is not None and most > d  # a copy may follow the drafts
+        return (drafts, *scores) if scores or extends else ()
+
+    def finish(
+        self,
+        drafts: mx.array,
+        draft_logits: mx.array,
+        started: float,
+        reads: tuple[mx.array, ...] | None = None,
+    ) -> mx.array:
         """The drafter's drafts [d] and logits [d, Vh] for `plan`'s length (none: NO_DRAFTS) ->
-        `propose`'s tokens [k+1]; drafts that close a repeat are extended by a copy as far as
-        the policy says. started: perf_counter when this round's drafting began."""
+        `propose`'s tokens [k+1]; the policy may cut the drafts by their scores, and drafts
+        that close a repeat are extended by a copy as far as it says. started: perf_counter when
+        this round's drafting began. reads: `host_reads` of these drafts, evaluated (None: this
+        evaluates them)."""
         context, most, copy = self._plan
         lookup, policy = self.lookup, self.policy
         if copy:
             proposal = Proposal(*NO_DRAFTS, lookup.continuation(copy), copy_round=True)
         else:
-            # The drafts [d] and logits [d, Vh] reach the host only for a decision taken there
-            # (the policy's scores, a copy after them); otherwise they are computed in the
-            # round's one evaluation, with the verify that reads them.
-            drafted: list[int] | None = None
-            if drafts.shape[0] and policy.needs_scores:
-                drafts, draft_logits, drafted = _verified_prefix(
-                    policy, context, self.drafter, drafts, draft_logits
-                )
+            if reads is None and (reads := self.host_reads(drafts, draft_logits)):
+                mx.eval(reads)
             copied: list[int] = []
-            if (d := drafts.shape[0]) and lookup is not None and most > d:
-                drafted = drafts.tolist() if drafted is None else drafted
-                more = min(lookup.copy_length(drafted), most - d)
-                more = policy.extension_length(context, d, more) if more else 0
-                copied = lookup.continuation(more, drafted) if more else []
+            if reads:
+                drafted = reads[0].tolist()
+                if policy.needs_scores:
+                    confidence = np.array(reads[2]) if len(reads) > 2 else None
+                    keep = policy.verify_length(context, np.array(reads[1]), confidence)
+                    drafts, draft_logits = drafts[:keep], draft_logits[:keep]
+                    drafted = drafted[:keep]
+                if (d := len(drafted)) and lookup is not None and most > d:
+                    more = min(lookup.copy_length(drafted), most - d)
+                    more = policy.extension_length(context, d, more) if more else 0
+                    copied = lookup.continuation(more, drafted) if more else []
             proposal = Proposal(drafts, draft_logits, copied, copy_round=False)
         self._proposal = proposal
         self._draft_seconds = time.perf_counter() - started
@@ -483,23 +513,6 @@ class Proposal:
         policy.observe(d, min(accepted, d))
         if self.copied and accepted >= d:  # the extension was tried
             policy.observe_extension(len(self.copied), accepted - d)
-
-
-def _verified_prefix(
-    policy, context: int, drafter: RuntimeDrafter, drafts: mx.array, logits: mx.array
-):
-    """Let the policy cut the drafts short from the drafter's own scores: the probability of
-    each drafted token under its logits and, for block drafters, the confidence head. -> the
-    kept drafts [keep], their logits [keep, Vh] and the drafts as a list (read on the host in
-    the same evaluation)."""
-    chosen = drafter.head_target_ids[None, :] == drafts[:, None]  # [k, Vh]
-    probs = (mx.softmax(logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
-    confidence = drafter.last_confidence
-    mx.eval(drafts, probs, *(() if confidence is None else (confidence,)))
-    keep = policy.verify_length(
-        context, np.array(probs), None if confidence is None else np.array(confidence)
-    )
-    return drafts[:keep], logits[:keep], drafts.tolist()[:keep]
 
 
 def _prefill(
