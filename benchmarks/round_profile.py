@@ -12,7 +12,9 @@ drafts costs a wait the runtime does not pay: `round as run` is the same round a
 speculative_generate_step runs it, with its one wait; `round drafts early` the same with the
 device set to the drafts (async_eval) while the host builds the verify; `round staged` that,
 and the device set to each quarter of the verify's layers as soon as it is built (on a GPU the
-host builds while the device computes, as mlx-lm's plain decoding overlaps its steps). A plain
+host builds while the device computes, as mlx-lm's plain decoding overlaps its steps); `round
+scores read` as run, but with the drafter's scores read on the host before the verify is
+built, the second wait the auto and confidence policies pay (every draft kept). A plain
 step is mlx-lm's model on one token and its argmax, built then waited for; `mlx-lm
 generate_step` is plain decoding as mlx-lm runs it (it builds the next step while the device
 computes this one). Milliseconds are medians over the rounds, the best of the repeats; every
@@ -58,14 +60,23 @@ STAGES = 4  # "staged" rounds: the device starts after each quarter of the verif
 PHASES = ["draft build", "draft wait", "verify build", "verify wait", "commit"]
 
 
+class ScoresRead(FixedPolicy):
+    """A fixed draft length that reads the drafts' scores, as auto does, and keeps them all."""
+
+    needs_scores = True
+
+
 def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
     """`count` greedy rounds after the prompt: (each round's seconds by phase where `mode` is
     "forced", else its whole seconds; the tokens emitted). "as run": one wait a round, as
     speculative_generate_step runs it; "drafts early": the device starts on the drafts
     (async_eval) while the host builds the verify, still one wait; "staged": that, and the
-    verify's first layers handed to the device while the host builds the later ones."""
+    verify's first layers handed to the device while the host builds the later ones; "scores
+    read": as run, with the drafter's scores read on the host first, as the auto and
+    confidence policies do (a second wait; this policy keeps every draft)."""
+    policy = ScoresRead(draft) if mode == "scores read" else FixedPolicy(draft)
     sequence = SpeculativeSequence(
-        prompt, session.target, session.drafter, policy=FixedPolicy(draft), stats=Stats()
+        prompt, session.target, session.drafter, policy=policy, stats=Stats()
     )
     tokens = [step[0] for step in sequence.start()]
     forced = mode == "forced"
@@ -77,7 +88,7 @@ def rounds(session, prompt: list[int], draft: int, count: int, mode: str):
             marks.append(time.perf_counter())
             mx.eval(proposal)
             marks.append(time.perf_counter())
-        elif mode != "as run":
+        elif mode in ("drafts early", "staged"):
             mx.async_eval(proposal)
         every = max(1, len(session.target.layers) // STAGES) if mode == "staged" else 0
         with staged(session.target.layers, every):
@@ -190,7 +201,7 @@ def profile(session, prompt: list[int], draft: int, count: int, repeats: int) ->
         for phase in PHASES:
             keep(phase, statistics.median(t[phase] for t in phased))
         keep("round, phases forced", statistics.median(sum(t.values()) for t in phased))
-        for mode in ("as run", "drafts early", "staged"):
+        for mode in ("as run", "drafts early", "staged", "scores read"):
             whole, tokens = rounds(session, prompt, draft, count, mode)
             keep(f"round {mode}", statistics.median(whole))
             identical = identical and tokens == forced_tokens

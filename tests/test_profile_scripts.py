@@ -33,7 +33,8 @@ def test_round_profile_and_head_noise_on_the_demo_pair(tmp_path):
     )
     assert found["identical"] and found["tokens_per_round"] >= 1
     phases = ["draft build", "draft wait", "verify build", "verify wait", "commit"]
-    rounds = ["round as run", "round drafts early", "round staged", "round, phases forced"]
+    rounds = ["round as run", "round drafts early", "round staged", "round scores read"]
+    rounds += ["round, phases forced"]
     plain = ["plain step build", "plain step wait", "plain step", "mlx-lm generate_step"]
     assert set(found["ms"]) == set(phases + rounds + plain)
     assert all(value > 0 for value in found["ms"].values())
