@@ -11,9 +11,13 @@ from woodcock.demo import write_demo
 from woodcock.errors import DrafterError
 from woodcock.generation import generate_report
 from woodcock.loading import load_drafter
+from woodcock.runtime import latency
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.latency import (
+    QUICK_DRAFT,
+    QUICK_VERIFY,
     LatencyProfile,
+    measure,
     measure_pair,
     policy_with_profile,
     profile_summary,
@@ -72,11 +76,22 @@ def test_policy_with_profile_measures_once_and_leaves_other_policies(pair):
     steps = []
     first = policy_with_profile("auto", session, *pair, progress=lambda *step: steps.append(step))
     kind, _, path = first.partition(":")
-    assert kind == "auto" and LatencyProfile.load(path).max_verify == 16
-    assert steps and steps[-1][0] == steps[-1][1]
+    profile = LatencyProfile.load(path)
+    assert kind == "auto" and profile.max_verify == 16
+    assert steps[-1] == ((len(QUICK_VERIFY) + QUICK_DRAFT) * 3,) * 2  # only these are timed
     again = []
     assert policy_with_profile("auto", session, *pair, progress=lambda *s: again.append(s)) == first
     assert not again  # kept in the user cache
+
+
+def test_measure_interpolates_the_verification_lengths_it_does_not_time(pair, monkeypatch):
+    session = open_session(*pair)
+    squares = lambda runs, **_: [float(i * i) for i in range(len(runs))]  # noqa: E731
+    monkeypatch.setattr(latency, "timed_sweeps", squares)
+    drafters = {"full": session.drafter}
+    profile = measure(session.target, drafters, contexts=(8,), verify_lengths=(1, 2, 4, 8))
+    # timed: k = 1, 2, 4, 8 -> 0, 1, 4, 9
+    assert profile["verify_seconds"]["8"] == [0, 1, 2.5, 4, 5.25, 6.5, 7.75, 9]
 
 
 def test_measure_pair_writes_the_profile_and_its_summary(pair, tmp_path):

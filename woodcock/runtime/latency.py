@@ -36,12 +36,16 @@ from woodcock.runtime.backend import report as backend_report
 FORMAT = "woodcock-latency"
 MAX_VERIFY = 16
 QUICK_CONTEXT = 256  # the profile `--policy auto` measures when given no file
-QUICK_VERIFY = MAX_VERIFY  # longer copies cost what `verify_cost` extrapolates
+# the verification lengths the quick profile times, the rest interpolated: every length a
+# drafter round verifies, then sparser up to 16 (prompt-lookup copies). Where verifying grows
+# with k, as on a CPU, the long ones dominate: timing all sixteen cost about twice as much
+# there, and the interpolated costs fell within the timings' own run-to-run spread
+QUICK_VERIFY = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 QUICK_DRAFT = 7
 # how `cached_profile` measures, part of its cache key: 2 = interleaved sweeps made
 # non-decreasing, 3 = verifying up to 16 tokens instead of 8, 4 = verifying with
-# woodcock.runtime.cpu_kernels on the CPU
-MEASURING = 4
+# woodcock.runtime.cpu_kernels on the CPU, 5 = only QUICK_VERIFY timed
+MEASURING = 5
 
 
 @dataclass(frozen=True)
@@ -227,15 +231,16 @@ def measure(
     drafters: dict[str, object],
     *,
     contexts: Sequence[int] = (64, 256, 1024),
-    max_verify: int = MAX_VERIFY,
+    verify_lengths: Sequence[int] = tuple(range(1, MAX_VERIFY + 1)),
     max_draft: int = 8,
     repeats: int = 5,
     advance: Callable[[], None] = lambda: None,
 ) -> dict:
-    """Median seconds to verify k = 1..max_verify tokens at each context length, and to draft k
-    tokens with each drafter (EAGLE-3: k chain steps after three new context rows, as in a round;
-    block drafters: one block), each curve made non-decreasing in k. `advance` is called after
-    each timing: repeats x (points measured) times."""
+    """Median seconds to verify k = 1..max(verify_lengths) tokens at each context length (the
+    lengths not in verify_lengths interpolated linearly between their timed neighbours), and to
+    draft k tokens with each drafter (EAGLE-3: k chain steps after three new context rows, as in
+    a round; block drafters: one block), each curve made non-decreasing in k. `advance` is
+    called after each timing: repeats x (points measured) times."""
     import mlx.core as mx
 
     rng = np.random.default_rng(0)
@@ -248,7 +253,7 @@ def measure(
         mx.eval(logits, taps)
         context_taps = taps
         runs = []
-        for k in range(1, max_verify + 1):
+        for k in verify_lengths:
             tokens = mx.array(rng.integers(0, vocab, k))
 
             def verify_once(tokens=tokens, k=k):
@@ -257,7 +262,9 @@ def measure(
                 target.rollback(k)
 
             runs.append(verify_once)
-        row = timed_sweeps(runs, repeats=repeats, advance=advance)
+        timed = timed_sweeps(runs, repeats=repeats, advance=advance)
+        every_length = np.arange(1, max(verify_lengths) + 1)
+        row = np.interp(every_length, verify_lengths, timed).tolist()
         verify[str(context)] = non_decreasing(row)
     draft: dict[str, list[float]] = {}
     for label, drafter in drafters.items():
@@ -308,7 +315,7 @@ def profile_cache_dir() -> Path:
 
 def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path:
     """The latency profile `--policy auto` / `confidence` use when given no file: measured once
-    (context QUICK_CONTEXT, verifying 1..QUICK_VERIFY tokens, drafting 1..QUICK_DRAFT tokens or
+    (context QUICK_CONTEXT, verifying QUICK_VERIFY tokens, drafting 1..QUICK_DRAFT tokens or
     one block with the session's own drafter and head) and kept in the user cache under a key
     of the machine facts (CPU, BLAS, threads, versions), the target and drafter paths with their
     modification times, the dtype and the head."""
@@ -332,12 +339,12 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     drafters = {session.head_label: session.drafter}
     block = session.drafter.num_drafts
     repeats = 3
-    total = (QUICK_VERIFY + (1 if block else QUICK_DRAFT)) * repeats
+    total = (len(QUICK_VERIFY) + (1 if block else QUICK_DRAFT)) * repeats
     profile = measure(
         session.target,
         drafters,
         contexts=(QUICK_CONTEXT,),
-        max_verify=QUICK_VERIFY,
+        verify_lengths=QUICK_VERIFY,
         max_draft=QUICK_DRAFT,
         repeats=repeats,
         advance=counting_steps(total, progress),
