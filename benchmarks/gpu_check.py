@@ -3,8 +3,10 @@ the rounding noise between a verify of several rows and one-row steps per dtype 
 what an fp32 final norm and head would change of it for bf16 (benchmarks/head_noise.py),
 `woodcock bench` on the default pair with both shipped drafters (fp32 with TF32 off, the
 default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, a round's host and device
-time with each drafter in fp32 and bf16 (benchmarks/round_profile.py), and batched rounds of 4
-requests drafting together or one after another with each drafter (benchmarks/batch_bench.py).
+time with each drafter in fp32 and bf16 (benchmarks/round_profile.py), batched rounds of 4
+requests drafting together or one after another with each drafter (benchmarks/batch_bench.py),
+and what prefilling 4 prompts in one forward would do to their first tokens, in fp32 and bf16
+(benchmarks/prefill_batch.py).
 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
 
@@ -13,10 +15,10 @@ the Python that runs it; it starts the commands with that Python, not a `woodcoc
 
 DIR (default: $OUT, else ./gpu_check) gets summary.txt (also printed), summary.json, latency.txt
 and steps.tar.gz: versions.json, noise-*.json, head-noise.json, bench-*.json, latency.json,
-round-*.json, batch-*.json and each step's stderr (*.err), so that four files come back from a
-machine that returns only a few. Each step is a separate process (MLX reads MLX_ENABLE_TF32
-once a process) with its own time limit, and none starts past the budget (default 400 s): a
-slow step costs the later ones, never the results already written.
+round-*.json, batch-*.json, prefill-*.json and each step's stderr (*.err), so that four files
+come back from a machine that returns only a few. Each step is a separate process (MLX reads
+MLX_ENABLE_TF32 once a process) with its own time limit, and none starts past the budget
+(default 400 s): a slow step costs the later ones, never the results already written.
 
 --small (or GPU_CHECK_SMALL=1): the offline demo pair, its drafter and prompt lookup, one
 prompt per domain and a few tokens: the whole script in a minute on a CPU, to check it runs.
@@ -46,6 +48,7 @@ FULL = {
     "limit": 100,
     "clients": 4,
     "rounds": 32,
+    "lengths": "32,64,128,256",
 }
 SMALL = {
     "prompts": 1,
@@ -55,6 +58,7 @@ SMALL = {
     "limit": 120,
     "clients": 2,
     "rounds": 8,
+    "lengths": "8",
 }
 
 NOISE = """
@@ -167,6 +171,18 @@ def main() -> int:
         batched[name] = json.loads(found.read_text())
         tables.append(f"Batched rounds (benchmarks/batch_bench.py):\n{done.stdout.strip()}")
 
+    prefills = {}
+    for name, dtype, _ in CONFIGS[:2]:  # 4 prompts prefilled in turn or in one forward
+        found = steps.logs / f"prefill-{name}.json"
+        argv = [sys.executable, str(Path(__file__).with_name("prefill_batch.py")), *target]
+        argv += ["--dtype", dtype, "--rows", str(settings["clients"])]
+        argv += ["--lengths", settings["lengths"], "--repeats", str(settings["repeats"])]
+        done = run(f"prefill-{name}", [*argv, "--json", str(found)], 60)
+        if done is not None and found.exists():
+            prefills[name] = json.loads(found.read_text())
+            tables.append(f"Prefill in turn or together (benchmarks/prefill_batch.py):\n"
+                          f"{done.stdout.strip()}")  # fmt: skip
+
     summary = "\n\n".join([render(facts, noise, benches, steps), *tables])
     (out / "summary.txt").write_text(summary + "\n")
     (out / "summary.json").write_text(
@@ -178,6 +194,7 @@ def main() -> int:
                 "bench": benches,
                 "batch": batched,
                 "round_profile": profiles,
+                "prefill": prefills,
                 "steps": steps.done,
             },
             indent=2,

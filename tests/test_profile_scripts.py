@@ -1,5 +1,6 @@
-"""benchmarks/round_profile.py and benchmarks/head_noise.py, steps of the GPU check, run on the
-CPU with the demo pair: a GPU lease is too short to find a broken script there."""
+"""benchmarks/round_profile.py, benchmarks/head_noise.py and benchmarks/prefill_batch.py, steps
+of the GPU check, run on the CPU with the demo pair: a GPU lease is too short to find a broken
+script there."""
 
 import json
 import subprocess
@@ -51,3 +52,16 @@ def test_round_profile_and_head_noise_on_the_demo_pair(tmp_path):
     assert all(
         noise[f"ms_{head}_head_{rows}_rows"] > 0 for head in ("model", "fp32") for rows in (1, 4)
     )
+
+
+def test_prefill_batch_on_the_demo_target(tmp_path):
+    write_demo(tmp_path / "demo")
+    found = run_script(
+        "prefill_batch.py",
+        *("--target", str(tmp_path / "demo" / "target"), "--rows", "3", "--lengths", "4,9"),
+        *("--repeats", "1", "--dtype", "bfloat16", "--json", str(tmp_path / "prefill.json")),
+    )
+    assert found["dtype"] == "bfloat16" and [r["tokens"] for r in found["rows"]] == [4, 9]
+    for row in found["rows"]:
+        assert row["alone_ms"] > 0 and row["together_ms"] > 0 and row["in_turn_mean"] == 2
+        assert row["together_mean"] == pytest.approx(row["together_ms"] / row["alone_ms"])
