@@ -5,6 +5,7 @@ and a random Markov one whose distribution q is far from the target's p (samplin
 import itertools
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import generate_tokens
@@ -279,6 +280,26 @@ def test_drafter_context_is_the_verified_rows(model):
         : len(drafter.taps_seen) - 1
     ]
     assert target.offset == len(prompt) + sum(m + 1 for m in stats.accepted)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_a_prefill_computes_the_head_for_the_last_position_alone(architecture):
+    model = tiny_target(architecture)
+    target = MlxTarget(model, [0, 2, 4])
+    tokens = mx.array(PROMPTS[2])
+    logits, taps = target.forward(tokens)
+    target.reset()
+    if hasattr(model, "lm_head"):  # llama here: a head of its own
+        owner, name = model, "lm_head"
+    else:  # qwen3 here: the embedding, tied
+        owner, name = model.model.embed_tokens, "as_linear"
+    head, heads = getattr(owner, name), []
+    setattr(owner, name, lambda x: heads.append(x.shape) or head(x))
+    last, prefill_taps = target.prefill(tokens)
+    mx.eval(last, prefill_taps)
+    assert heads == [(1, 1, 64)]  # one position went through the head
+    assert mx.array_equal(last, logits[-1]) and mx.array_equal(prefill_taps, taps)
+    assert target.offset == len(PROMPTS[2]) and isinstance(model.model.norm, nn.RMSNorm)
 
 
 def test_greedy_with_a_random_drafter_and_a_reduced_head(model):

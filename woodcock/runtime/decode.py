@@ -524,7 +524,7 @@ def _prefill(
     for start in range(0, prompt.shape[0], PREFILL_CHUNK):
         if cancelled is not None and cancelled():
             return None
-        logits, chunk_taps = target.forward(prompt[start : start + PREFILL_CHUNK])
+        logits, chunk_taps = target.prefill(prompt[start : start + PREFILL_CHUNK])
         mx.eval(logits, chunk_taps)
         taps.append(chunk_taps)
-    return logits[-1], mx.concatenate(taps, axis=0)
+    return logits, mx.concatenate(taps, axis=0)
