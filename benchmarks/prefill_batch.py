@@ -5,8 +5,8 @@ and streams each one's first token before the next prefill: the k-th waits k lon
 mean of (N + 1) / 2. Prefilling all N in one forward gives every one its first token after
 that forward. This times both on the target, at a few prompt lengths: one prompt of T tokens,
 and N prompts of T tokens in one forward, each as the server prefills a prompt (one forward of
-the model over the T tokens into a fresh cache, every position's logits computed), after
-warm-up, median of the repeats.
+the model over the T tokens into a fresh cache, the head on the last position alone:
+woodcock.runtime.target.head_on_last_position), after warm-up, median of the repeats.
 
     python benchmarks/prefill_batch.py [--target T] [--dtype float32] [--rows 4]
         [--lengths 32,64,96] [--repeats 5] [--json out.json]
@@ -31,6 +31,7 @@ from woodcock.default_target import resolve_target
 from woodcock.runtime.backend import describe, report
 from woodcock.runtime.machine import cpu_model
 from woodcock.runtime.session import default_dtype
+from woodcock.runtime.target import head_on_last_position
 
 
 def prefill_seconds(model, ids: mx.array, repeats: int) -> float:
@@ -39,7 +40,8 @@ def prefill_seconds(model, ids: mx.array, repeats: int) -> float:
     def once() -> float:
         cache = make_prompt_cache(model)
         start = time.perf_counter()
-        mx.eval(model(ids, cache=cache))
+        with head_on_last_position(model):
+            mx.eval(model(ids, cache=cache))
         return time.perf_counter() - start
 
     for _ in range(2):  # a GPU compiles its kernels for a shape on first use

@@ -80,10 +80,11 @@ class _LastPosition:
 
 
 @contextlib.contextmanager
-def _final_norm_of_last_position(model: nn.Module) -> Iterator[None]:
-    """For the length of a forward, `model.model.norm` (mlx-lm's name for the final norm, the
-    one module between the last layer and the head) is swapped for a _LastPosition; a model
-    without one is left whole (its head then runs on every position)."""
+def head_on_last_position(model: nn.Module) -> Iterator[None]:
+    """For the length of a forward (a prefill's), `model.model.norm` (mlx-lm's name for the
+    final norm, the one module between the last layer and the head) is swapped for a
+    _LastPosition, so the logits are those of the last position alone; a model without one is
+    left whole (its head then runs on every position)."""
     inner = getattr(model, "model", None)
     norm = getattr(inner, "norm", None) if isinstance(inner, nn.Module) else None
     if not isinstance(norm, nn.Module):
@@ -148,7 +149,7 @@ class MlxTarget:
         Lazy. The model's final norm, and so its head, sees only the last position: the head
         over every prompt position is wasted work (on a CPU 6-12 % of the default target's
         prefill, 18-19 % for Qwen3-0.6B's shape) and memory (a [T, V] array a chunk)."""
-        with _final_norm_of_last_position(self.model):
+        with head_on_last_position(self.model):
             logits, taps = self.forward(tokens)
         return logits[-1], taps
 
