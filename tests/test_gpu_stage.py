@@ -99,6 +99,13 @@ def test_the_printed_calls_install_everything_and_restore_puts_the_drafters_back
         " print(pathlib.Path(woodcock.drafters.__file__).resolve().parent);"
         ' print(mlx.core.__file__)"'
     )
+
+    def on_machine(command: str) -> subprocess.CompletedProcess:
+        script = command.replace("<script>", check)
+        return subprocess.run(
+            ["bash", "-c", script], cwd=remote, env=env, capture_output=True, text=True
+        )
+
     broken_once = False
     later = ('".gpu/lease/install.sh"', calls[-1][1])  # a second script on the same machine
     for carry, command in [*calls, later]:
@@ -110,23 +117,11 @@ def test_the_printed_calls_install_everything_and_restore_puts_the_drafters_back
             spoilt = tmp_path / "stage" / "p1"
             good = spoilt.read_bytes()
             spoilt.write_bytes(bytes([good[0] ^ 1]) + good[1:])
-            done = subprocess.run(
-                ["bash", "-c", command.replace("<script>", check)],
-                cwd=remote,
-                env=env,
-                capture_output=True,
-                text=True,
-            )
+            done = on_machine(command)
             assert done.returncode != 0 and "the parts do not join" in done.stdout
             spoilt.write_bytes(good)
             broken_once = True
-        done = subprocess.run(
-            ["bash", "-c", command.replace("<script>", check)],
-            cwd=remote,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        done = on_machine(command)
         assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.split("\n")
     assert lines[0] == "mlx 0.0.1 on staged"
