@@ -134,7 +134,7 @@ def pack(args) -> int:
         refuse(f"the working tree ({tree} bytes) leaves no room in {args.call_bytes}")
     shutil.rmtree(LEASE, ignore_errors=True)
     LEASE.mkdir(parents=True)
-    downloads = Path(".gpu/wheels")
+    downloads = LEASE.parent / "wheels"
     shutil.rmtree(downloads, ignore_errors=True)
     downloads.mkdir()
     found = wheels(args, downloads)
@@ -168,13 +168,13 @@ def pack(args) -> int:
     print(f"the last part has {spare} bytes to spare). One call each, back to back:")
     stage = "${WOODCOCK_STAGE:-/tmp/stage}"
     for part in range(1, parts + 1):
-        carry = f'".gpu/lease/p{part}"'
-        command = f"mkdir -p {stage} && cp .gpu/lease/p{part} {stage}/"
+        carry = f'"{LEASE}/p{part}"'
+        command = f"mkdir -p {stage} && cp {LEASE}/p{part} {stage}/"
         if part == parts:
-            carry += ', ".gpu/lease/install.sh"'
-            command = "source .gpu/lease/install.sh && <script>"
+            carry += f', "{LEASE}/install.sh"'
+            command = f"source {LEASE}/install.sh && <script>"
         print(f"  carry [{carry}]  command: {command}")
-    print('Later calls on the same machine: carry [".gpu/lease/install.sh"], the same command.')
+    print(f'Later calls on the same machine: carry ["{LEASE}/install.sh"], the same command.')
     print("After the lease: python3 benchmarks/gpu_stage.py restore")
     return 0
 
