@@ -433,23 +433,34 @@ def test_sampled_drafts_extended_by_a_copy_follow_the_target():
     def drafter(b, c):
         return MarkovDrafter(12, seed=11, head_ids=sorted({b, c}))
 
-    def next_token(tokens):
-        return np.array(sampling.probabilities(model(mx.array([tokens]))[0, -1]))
+    def next_token(sequences):
+        """{sequence: the target's next-token probabilities}, in one forward (equal lengths)"""
+        probs = np.array(sampling.probabilities(model(mx.array(sequences))[:, -1]))
+        return dict(zip(map(tuple, sequences), probs, strict=True))
+
+    def cases(a, b, c):
+        """(token, draft, copy): with the history [a, b, c, token] the draft extends when
+        (token, draft) is (a, b) or (b, c), and then the copy is tried"""
+        return (a, b, c), (b, c, a)
+
+    triples = list(itertools.permutations(range(12), 3))
+    p = next_token([[0, *t] for t in triples])
+    p |= next_token([[0, *t, token] for t in triples for token, _, _ in cases(*t)])
+    p |= next_token([[0, *t, token, d] for t in triples for token, d, _ in cases(*t)])
 
     def odds(a, b, c):
         """(P(extended), P(the copied token is tried and must be rejected))"""
-        prompt = [0, a, b, c]
-        first, q, extended, rejected = next_token(prompt), drafter(b, c), 0.0, 0.0
-        # history [a, b, c, first]: the draft d extends when (first, d) is (a, b) or (b, c)
-        for token, draft, copy in ((a, b, c), (b, c, a)):
+        prompt = (0, a, b, c)
+        first, q, extended, rejected = p[prompt], drafter(b, c), 0.0, 0.0
+        for token, draft, copy in cases(a, b, c):
             q_draft = np.array(sampling.probabilities(q.table[token]))[list(q.head_ids).index(draft)]
-            p_draft = next_token(prompt + [token])[draft]
+            p_draft = p[(*prompt, token)][draft]
             extended += first[token] * q_draft
             tried = first[token] * min(q_draft, p_draft)
-            rejected += tried * (1 - next_token(prompt + [token, draft])[copy])
+            rejected += tried * (1 - p[(*prompt, token, draft)][copy])
         return extended, rejected
 
-    chances = {t: odds(*t) for t in itertools.permutations(range(12), 3)}
+    chances = {t: odds(*t) for t in triples}
     a, b, c = max(
         (t for t, (extended, _) in chances.items() if 0.3 < extended < 0.7),
         key=lambda t: chances[t][1],

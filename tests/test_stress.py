@@ -88,8 +88,8 @@ def test_a_long_generation_with_many_rollbacks_is_the_targets_own(model, pair):
     kind, target, drafter = pair
     stats = Stats()
     prompt = [3, 14, 15, 92, 65]
-    got = generate_tokens(prompt, target, drafter, max_tokens=2000, num_draft=4, stats=stats)
-    assert got == plain_greedy(model, prompt, 2000)
+    got = generate_tokens(prompt, target, drafter, max_tokens=1000, num_draft=4, stats=stats)
+    assert got == plain_greedy(model, prompt, 1000)
     rejected_rounds = sum(a < d for a, d in zip(stats.accepted, stats.drafted, strict=True))
     assert rejected_rounds > 300, "the drafter should be wrong often"
 
@@ -271,10 +271,10 @@ def test_sampling_with_a_rotating_cache_target_follows_the_target():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle3", "block"])
 def test_long_generations_from_long_prompts_at_every_draft_length(model, kind):
-    target, drafter = runtime_drafter(kind, model, window=40)
+    target, drafter = runtime_drafter(kind, model, window=24)
     rng = np.random.default_rng(7)
-    prompt = rng.integers(0, model.args.vocab_size, 3 * PREFILL_CHUNK + 5).tolist()
-    expected = plain_greedy(model, prompt, 320)  # the drafter's window of 40 wraps 8 times
+    prompt = rng.integers(0, model.args.vocab_size, 2 * PREFILL_CHUNK + 5).tolist()
+    expected = plain_greedy(model, prompt, 160)  # the drafter's window of 24 wraps 6 times
     for k in range(1, 17):
-        got = generate_tokens(prompt, target, drafter, max_tokens=320, policy=FixedPolicy(k))
+        got = generate_tokens(prompt, target, drafter, max_tokens=160, policy=FixedPolicy(k))
         assert got == expected, k
