@@ -341,7 +341,7 @@ def test_generate_uses_the_default_pair(smollm2, smollm2_loaded, monkeypatch, ca
     cache, _ = smollm2
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     # `--policy auto` (the default) times a first latency profile of the pair. On the reference
-    # BLAS this process keeps, the full one takes about 100 s of the 135M target; where the
+    # BLAS this process keeps, the full one takes about 110 s of the 135M target; where the
     # draft lengths come from does not bear on the text, which is what this test checks (the
     # full profile's measurement is tested on the demo pair)
     monkeypatch.setattr("woodcock.runtime.latency.QUICK_CONTEXT", 16)
