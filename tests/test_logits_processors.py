@@ -235,11 +235,11 @@ class UnprocessedTargetDrafter:
     """Drafts sampled from the target's own distribution without the processors: close to the
     processed one, so drafts are often accepted and a verified row's history includes them."""
 
-    def __init__(self, model, prompt, rows=None):
+    def __init__(self, model, prompt, rows):
         self.model, self.first = model, list(prompt[:1])
         self.head_target_ids = mx.arange(model.args.vocab_size)
         self.num_drafts = self.last_confidence = None
-        self.rows = {} if rows is None else rows  # the model's last row by token prefix
+        self.rows = rows  # the model's last row by token prefix
 
     def reset(self):
         self.tokens = list(self.first)
