@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import generate_tokens
 from mlx_lm.generate import generate_step
-from mlx_targets import tiny_target
+from mlx_targets import sampling_target, tiny_target
 from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.formats import speculators
@@ -45,15 +45,14 @@ def block_spec(
         hidden_size=args.hidden_size,
         vocab_size=args.vocab_size,
         target_layers=args.num_hidden_layers,
+        taps=taps,
         **fields,
     )
     layers = tuple(
         dataclasses.replace(layer, attention=attention, sliding_window=window)
         for layer in spec.layers
     )
-    return dataclasses.replace(
-        spec, layers=layers, taps=dataclasses.replace(spec.taps, layer_ids=taps)
-    )
+    return dataclasses.replace(spec, layers=layers)
 
 
 VARIANTS = [
@@ -104,8 +103,8 @@ def test_seed_shaped_dspark_through_the_speculators_format(tmp_path):
     [{"markov_head_type": "vanilla"}, {"markov_head_type": "rnn", "sample_from_anchor": False}],
 )
 def test_sampling_with_a_dspark_drafter_follows_the_target(fields):
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    spec = block_spec(model, "dspark", taps=(2,), block_size=4, mask_token_id=11, **fields)
+    model = sampling_target()
+    spec = block_spec(model, "dspark", taps=(1,), block_size=4, mask_token_id=11, **fields)
     drafter = random_drafter(spec, seed=9)
     # a drafter far from the target: make its logits loud
     weights = {
@@ -113,7 +112,7 @@ def test_sampling_with_a_dspark_drafter_follows_the_target(fields):
         for k, v in drafter.weights.items()
     }
     drafter = type(drafter)(drafter.spec, drafter.vocab, weights)
-    target = MlxTarget(model, [2])
+    target = MlxTarget(model, [1])
     runtime = BlockDrafter(drafter, target.shared_tensors())
     sampling = Sampling(temperature=1.0)
     prompt = [3, 1]

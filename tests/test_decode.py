@@ -11,7 +11,7 @@ import pytest
 from helpers import generate_tokens
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
-from mlx_targets import tiny_target
+from mlx_targets import sampling_target, tiny_target
 from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.errors import DrafterError
@@ -344,8 +344,8 @@ SAMPLINGS = [
     "sampling", SAMPLINGS, ids=lambda s: f"t{s.temperature}-p{s.top_p}-k{s.top_k}"
 )
 def test_sampling_reproduces_the_target_distribution(sampling):
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    target = MlxTarget(model, [2])
+    model = sampling_target()
+    target = MlxTarget(model, [1])
     prompt = [3, 1]
     first_p, second_p = exact_marginals(model, prompt, sampling, 2)
     runs = 1500
@@ -366,8 +366,8 @@ def test_sampling_reproduces_the_target_distribution(sampling):
 
 
 def test_a_sampled_plain_decoding_round_follows_the_target():
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    target = MlxTarget(model, [2])
+    model = sampling_target()
+    target = MlxTarget(model, [1])
     sampling = Sampling(temperature=1.0)
     _, second_p = exact_marginals(model, [3, 1], sampling, 2)
     second = np.zeros(12)
@@ -402,8 +402,8 @@ def sampled_with_lookup(prompt, target, drafter, max_tokens, num_draft, sampling
 def test_sampled_rounds_that_copy_follow_the_target():
     """The second token comes from a round that copies whenever the first one closes a repeat
     (about half of the runs here); its marginal is still the target's."""
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    target = MlxTarget(model, [2])
+    model = sampling_target()
+    target = MlxTarget(model, [1])
     sampling = Sampling(temperature=1.0)
     # the lookup sees [b, y, b, first] and copies when first = y: pick the prompt where that
     # is nearest to even odds
@@ -426,8 +426,8 @@ def test_sampled_drafts_extended_by_a_copy_follow_the_target():
     prompt the lookup copies on after it. Tokens two and three (the draft's and the copy's rows)
     keep the target's marginals. The prompt is the one where the rejection rule has most to
     reject in the copy's row among those extending in 30..70 % of the runs."""
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    target = MlxTarget(model, [2])
+    model = sampling_target()
+    target = MlxTarget(model, [1])
     sampling = Sampling(temperature=1.0)
 
     def drafter(b, c):
@@ -480,7 +480,7 @@ def test_sampled_drafts_extended_by_a_copy_follow_the_target():
 
 def test_mlx_lm_samples_the_distribution_we_compute():
     """Our p is mlx-lm's sampler's: its own samples pass the same test."""
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    model = sampling_target()
     prompt = [3, 1]
     for sampling in SAMPLINGS:
         (first_p,) = exact_marginals(model, prompt, sampling, 1)

@@ -3,7 +3,6 @@ verified row is processed with the history as accepted so far, so greedy output 
 mlx-lm decoding's with the same processors, sampling follows the processed distribution, and
 the log-probabilities are the target's own."""
 
-import dataclasses
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +11,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors as mlx_lm_processors
 from mlx_lm.sample_utils import make_sampler
-from mlx_targets import tiny_target
+from mlx_targets import sampling_target, tiny_target
 from stats_helpers import chi_square_exceeds
 from test_decode import MarkovDrafter, ScriptedDrafter
 
@@ -89,9 +88,9 @@ def random_eagle3(model, taps):
         hidden_size=args.hidden_size,
         vocab_size=args.vocab_size,
         target_layers=args.num_hidden_layers,
+        taps=taps,
         tap_norm="per_tap",
     )
-    spec = dataclasses.replace(spec, taps=dataclasses.replace(spec.taps, layer_ids=taps))
     return random_drafter(spec, seed=5)
 
 
@@ -268,8 +267,8 @@ def test_sampling_follows_the_processed_distribution(sampling, settings, drafter
     """A drafter far from the target (drafts are often rejected, the residual is sampled) or
     close to it (long accepted runs), and prompt lookup (a repetitive prompt: copies are judged
     too); the second token's distribution depends on the first through the penalties."""
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
-    target = MlxTarget(model, [2])
+    model = sampling_target()
+    target = MlxTarget(model, [1])
     prompt = [4, 7, 4, 7]
     processors = make_logits_processors(**settings)
     expected = processed_marginals(model, prompt, sampling, processors)
@@ -295,7 +294,7 @@ def test_sampling_follows_the_processed_distribution(sampling, settings, drafter
 
 
 def test_mlx_lm_samples_the_processed_distribution_we_compute():
-    model = tiny_target("qwen3", seed=4, scale=0.4, vocab_size=12)
+    model = sampling_target()
     sampling, settings = SAMPLED[0][1:]
     prompt = [4, 7, 4, 7]
     first_p = processed_marginals(model, prompt, sampling, mlx_lm_processors(**settings), 1)[0]

@@ -40,6 +40,7 @@ def random_spec(model, algorithm, *, taps, window=None, **fields):
         hidden_size=args.hidden_size,
         vocab_size=args.vocab_size,
         target_layers=args.num_hidden_layers,
+        taps=taps,
         **({"tap_norm": "per_tap"} if algorithm == "eagle3" else {}),
         **fields,
     )
@@ -47,20 +48,19 @@ def random_spec(model, algorithm, *, taps, window=None, **fields):
         dataclasses.replace(layer, sliding_window=window, max_position_embeddings=8192)
         for layer in spec.layers
     )
-    return dataclasses.replace(
-        spec, layers=layers, taps=dataclasses.replace(spec.taps, layer_ids=taps)
-    )
+    return dataclasses.replace(spec, layers=layers)
 
 
 def runtime_drafter(kind, model, *, window=None, seed=5):
     """A random (so often wrong) drafter of `kind` for `model`, with its target."""
+    layers = model.args.num_hidden_layers
     if kind == "eagle3":
-        spec = random_spec(model, "eagle3", taps=(0, 2, 4), window=window)
+        spec = random_spec(model, "eagle3", taps=(0, layers // 2, layers), window=window)
     else:
         spec = random_spec(
             model,
             "dspark",
-            taps=(1, 4),
+            taps=(1, layers),
             window=window,
             block_size=BLOCK_SIZE,
             sample_from_anchor=True,
@@ -217,8 +217,10 @@ def test_greedy_with_a_rotating_cache_target(kind):
         assert got == plain_greedy(model, prompt, 200)
 
 
-def quantized_target(vocab_size=96):
-    model = tiny_target("qwen3", seed=3, scale=0.5, vocab_size=vocab_size)
+def quantized_target(vocab_size=96, num_hidden_layers=4):
+    model = tiny_target(
+        "qwen3", seed=3, scale=0.5, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers
+    )
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     return model
@@ -249,7 +251,7 @@ def sampled_marginals(model, kind, prompt, runs, sampling):
 
 
 def test_sampling_with_a_4bit_target_follows_the_target():
-    model = quantized_target(vocab_size=12)
+    model = quantized_target(vocab_size=12, num_hidden_layers=2)
     sampling = Sampling(temperature=1.0)
     prompt = [3, 1, 4]
     first_p, second_p = exact_marginals(model, prompt, sampling, 2)

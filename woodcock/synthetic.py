@@ -55,11 +55,13 @@ def tiny_spec(
     vocab_size: int = 96,
     draft_vocab_size: int | None = None,
     target_layers: int = 4,
+    taps: tuple[int, ...] | None = None,
     tap_norm: str = "none",
     **algorithm_fields,
 ) -> DrafterSpec:
     """A small valid spec of any algorithm; keyword arguments not named here go to the
-    algorithm block (e.g. norm_output=True, block_size=4, markov_head_type="rnn")."""
+    algorithm block (e.g. norm_output=True, block_size=4, markov_head_type="rnn"). `taps`
+    defaults to a low, a middle and a high layer, as EAGLE-3 reads them."""
     block = algorithm != "eagle3"
     layers = tuple(
         DecoderLayer(
@@ -106,7 +108,7 @@ def tiny_spec(
             vocab_size=vocab_size,
             name_or_path="tiny-random-target",
         ),
-        taps=Taps((1, target_layers // 2, target_layers - 1)),
+        taps=Taps((1, target_layers // 2, target_layers - 1) if taps is None else taps),
         fusion=Fusion(tap_norm=tap_norm, fc_bias=False, hidden_norm=block),
         layers=layers,
         # a reduced vocabulary comes with its own head rows (what vLLM needs)
