@@ -56,7 +56,7 @@ def tiny_target(model_type: str = "qwen3", seed: int = 0, scale: float = 1.0, **
 def sampling_target(model_type: str = "qwen3", num_hidden_layers: int = 1, **overrides):
     """The target the chi-square tests sample from: 12 tokens, logits spread out (about 1-2 nats
     of entropy at temperature 1), and one layer unless a drafter taps more. What they test is the
-    sampling rule, which depth does not change, while every layer adds about 2 ms to each of
+    sampling rule, which depth does not change, while every layer adds about 4 ms to each of
     their thousands of sampled runs on MLX's CPU backend."""
     settings = {"seed": 4, "scale": 0.3, "vocab_size": 12, **overrides}
     return tiny_target(model_type, num_hidden_layers=num_hidden_layers, **settings)

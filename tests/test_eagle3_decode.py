@@ -1,7 +1,6 @@
 """Greedy and sampled decoding with real EAGLE-3 drafters on MLX: random ones (rarely right)
 and the hand-written bigram drafter of woodcock.demo (mostly right), against plain mlx-lm."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ verified row is processed with the history as accepted so far, so greedy output 
 mlx-lm decoding's with the same processors, sampling follows the processed distribution, and
 the log-probabilities are the target's own."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
