@@ -39,12 +39,13 @@ def case(name):
 
 def draw(p, q, keys):
     """(drafts [n, k] drawn from q, accepted m [n], the token after them [n]) for each key"""
-    q_logs = mx.log(mx.array(q))
+    p, q = mx.array(p), mx.array(q)
+    q_logs = mx.log(q)
 
     def once(key):
         draft_key, accept_key = mx.random.split(key)
         drafts = mx.random.categorical(q_logs, key=draft_key).astype(mx.int32)
-        return (drafts, *accept_drafts(drafts, mx.array(q), mx.array(p), key=accept_key))
+        return (drafts, *accept_drafts(drafts, q, p, key=accept_key))
 
     drafts, m, token = mx.vmap(once)(keys)
     unbatched = [once(key) for key in keys[:8]]
