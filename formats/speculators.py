@@ -136,6 +136,14 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         hidden = layers[0].hidden_size
         target_hidden = config.get("target_hidden_size")
         verifier = config["speculators_config"]["verifier"]
+        architectures = verifier.get("architectures") or []
+        if not isinstance(architectures, list) or not all(
+            isinstance(a, str) for a in architectures
+        ):
+            raise DrafterError(
+                f"speculators_config.verifier.architectures = {architectures!r}: expected a list"
+                " of strings"
+            )
         target = Target(
             num_hidden_layers=None,
             hidden_size=hidden
@@ -143,7 +151,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             else hf.integer(target_hidden, "target_hidden_size"),
             vocab_size=vocab_size,
             name_or_path=verifier.get("name_or_path"),
-            architectures=tuple(verifier.get("architectures") or ()),
+            architectures=tuple(architectures),
         )
         draft_vocab_size = hf.integer(_require(config, "draft_vocab_size", int), "draft_vocab_size")
     tensors = read_checkpoint(path)
@@ -197,6 +205,8 @@ def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderL
     num_layers = hf.integer(
         cfg.get("num_hidden_layers", defaults["num_hidden_layers"]), "num_hidden_layers"
     )
+    if num_layers < 1:
+        raise DrafterError(f"num_hidden_layers = {num_layers}: expected at least one layer")
     layer_types = _layer_types(cfg, style, num_layers)
     any_sliding = "sliding_attention" in layer_types
     window = cfg.get("sliding_window", defaults.get("sliding_window")) if any_sliding else None
@@ -211,7 +221,9 @@ def _read_layers(cfg: dict, algorithm_name: str, config: dict) -> tuple[DecoderL
                 "missing key sliding_window_non_causal (sliding layers are causal in the block"
                 " unless it is true; refusing to guess)"
             )
-    non_causal = bool(config.get("sliding_window_non_causal", False))
+    non_causal = hf.boolean(
+        config.get("sliding_window_non_causal", False), "sliding_window_non_causal"
+    )
     layers = []
     for i, layer_type in enumerate(layer_types):
         sliding = layer_type == "sliding_attention"
@@ -436,7 +448,12 @@ def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
 
 
 def _sliding_non_causal(spec: DrafterSpec) -> bool:
-    """speculators has one switch for every sliding layer; full layers are always bidirectional."""
+    """speculators has one switch for every sliding layer; full layers are always bidirectional.
+    vLLM 0.33.0 reads the switch as every layer's causality (`dflash_config.causal = not
+    sliding_window_non_causal`, overriding each layer in qwen3_dflash's `_dflash_layer_causal`),
+    so a drafter without sliding layers says true: the same to speculators, and bidirectional
+    in vLLM as trained. Causal sliding layers beside full ones must say false, and that vLLM
+    then runs the full layers causal too: written as speculators means it."""
     kinds = set()
     for i, layer in enumerate(spec.layers):
         if layer.sliding_window is None:
@@ -452,7 +469,7 @@ def _sliding_non_causal(spec: DrafterSpec) -> bool:
             "sliding layers mix block_causal and block_bidirectional; speculators has one"
             " sliding_window_non_causal switch for all of them"
         )
-    return kinds == {"block_bidirectional"}
+    return kinds != {"block_causal"}
 
 
 def _layer_config(spec: DrafterSpec) -> dict[str, Any]:

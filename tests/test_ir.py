@@ -120,6 +120,27 @@ BLOCK = tiny_spec("dflash")
             "rope_scaling.rope_type = 'magic'",
         ),
         (
+            lambda: replace_layer(SPEC, rope_scaling={"rope_type": "yarn"}),
+            r"rope_scaling.factor = None: expected a number \(rope_type 'yarn' needs it\)",
+        ),
+        (
+            lambda: replace_layer(
+                SPEC, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1}
+            ),
+            "rope_scaling.high_freq_factor = None",
+        ),
+        (
+            lambda: replace_layer(SPEC, rope_scaling={"rope_type": "linear", "factor": True}),
+            "rope_scaling.factor = True: expected a number",
+        ),
+        (
+            lambda: replace_layer(
+                SPEC,
+                rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": 2.0},
+            ),
+            "rope_scaling.long_factor = 2.0: expected a list of numbers",
+        ),
+        (
             lambda: replace_layer(SPEC, style="gpt2"),
             "style = 'gpt2': expected one of 'llama', 'qwen3'",
         ),

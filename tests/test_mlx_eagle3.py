@@ -537,7 +537,6 @@ def test_bad_calls_are_refused():
     [
         ({"rope_type": "yarn", "factor": 2.0}, "'yarn'"),
         ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
-        ({"rope_type": "linear"}, "rope_scaling.factor missing"),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial"),
     ],
 )

@@ -828,7 +828,13 @@ def test_inverse_frequencies_equal_transformers(scaling):
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
 def test_unimplemented_rope_types_are_refused_by_name(rope_type):
-    spec = with_layers(tiny_spec("eagle3"), rope_scaling={"rope_type": rope_type, "factor": 2.0})
+    factors = {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4}  # longrope's own
+    scaling = {
+        "rope_type": rope_type,
+        "factor": 2.0,
+        **(factors if rope_type == "longrope" else {}),
+    }
+    spec = with_layers(tiny_spec("eagle3"), rope_scaling=scaling)
     with pytest.raises(DrafterError, match=rope_type):
         TorchDrafter(make_drafter(spec), target_tensors())
 

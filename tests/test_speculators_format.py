@@ -197,6 +197,35 @@ EAGLE = tiny_spec("eagle3", draft_vocab_size=40)
         ),
         (
             EAGLE,
+            lambda p: edit_config(
+                p, lambda c: c["speculators_config"]["verifier"].update(architectures="Llama")
+            ),
+            "speculators_config.verifier.architectures = 'Llama': expected a list of strings",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(
+                p, lambda c: c["transformer_layer_config"].update(num_hidden_layers=0)
+            ),
+            "transformer_layer_config.num_hidden_layers = 0: expected at least one layer",
+        ),
+        (
+            EAGLE,
+            lambda p: edit_config(
+                p,
+                lambda c: c["transformer_layer_config"].update(
+                    rope_parameters={"rope_type": "linear", "rope_theta": 10000.0}
+                ),
+            ),
+            r"rope_scaling.factor = None: expected a number \(rope_type 'linear' needs it\)",
+        ),
+        (
+            DFLASH,
+            lambda p: edit_config(p, lambda c: c.update(sliding_window_non_causal="false")),
+            "sliding_window_non_causal = 'false': expected true or false",
+        ),
+        (
+            EAGLE,
             lambda p: edit_tensors(p, lambda t: t.pop("fc.weight")),
             r"missing tensor\(s\) fc.weight",
         ),
@@ -291,6 +320,24 @@ def test_writer_refuses_mixed_in_block_causality(tmp_path):
         speculators.write(random_drafter(dataclasses.replace(spec, layers=layers)), tmp_path / "o")
 
 
+def test_full_attention_block_layers_are_written_non_causal(tmp_path):
+    """vLLM 0.33.0 turns sliding_window_non_causal into every layer's causality; speculators
+    applies it to sliding layers only. Without sliding layers, true means bidirectional to both."""
+    spec = tiny_spec("dflash", style="qwen3", num_layers=2)
+    speculators.write(random_drafter(spec), tmp_path / "full")
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is True
+    assert {layer.attention for layer in speculators.read(tmp_path / "full").spec.layers} == {
+        "block_bidirectional"
+    }
+    sliding = dataclasses.replace(spec.layers[0], attention="block_causal", sliding_window=8)
+    mixed = dataclasses.replace(spec, layers=(sliding, spec.layers[1]))
+    speculators.write(random_drafter(mixed), tmp_path / "mixed")
+    config = json.loads((tmp_path / "mixed" / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is False
+    assert speculators.read(tmp_path / "mixed").spec.layers == mixed.layers
+
+
 def make_target(path: Path, spec, tie: bool) -> dict:
     """A Hugging Face-style target directory: config.json and model.safetensors."""
     path.mkdir()
@@ -331,6 +378,22 @@ def test_convert_round_trip_is_bit_identical(saved, tmp_path, capsys):
         )
         code, _, err = run_cli(["convert", str(native), str(back), "--to", "speculators"], capsys)
         assert code == 2 and "already exists; pass --force" in err
+
+
+def test_convert_never_replaces_its_source(saved, tmp_path, capsys):
+    """--force replaces an earlier output, which goes whole: never the drafter being read or a
+    folder holding it."""
+    source = saved(EAGLE, "folder/src")
+    (tmp_path / "folder" / "notes.txt").write_text("kept")
+    before = {p: p.read_bytes() for p in (tmp_path / "folder").rglob("*") if p.is_file()}
+    for dest, message in [
+        (source, "the output is the source drafter"),
+        (tmp_path / "folder", f"the output holds the source drafter {source.resolve()}"),
+    ]:
+        argv = ["convert", str(source), str(dest), "--to", "woodcock", "--force"]
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert {p: p.read_bytes() for p in (tmp_path / "folder").rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -456,6 +456,7 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
     assert record["format"] == "woodcock"
     assert record["holdout_agreement"] == theirs["holdout_agreement"]
     started = load_drafter(tmp_path / "warm")
+    trained_spec = load_drafter(trained).spec
     assert np.array_equal(
         started.vocab.draft_to_target, load_drafter(trained).vocab.draft_to_target
     )
@@ -464,6 +465,14 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
         T.train(short_run(work, tmp_path / "x", init=str(trained), head_size=64))
     with pytest.raises(DrafterError, match=r"--init .*: taps = .*; this run trains"):
         T.train(short_run(work, tmp_path / "y", init=str(trained), taps=(1, 2, 3)))
+    # --force replaces OUT whole: never the run's own inputs
+    for out, where in [
+        (work, "holds the answers \\(--data\\)"),
+        (trained, "is the --init drafter"),
+    ]:
+        with pytest.raises(DrafterError, match=f"the output {where}"):
+            T.train(short_run(work, out, init=str(trained), force=True))
+    assert (work / "data").is_dir() and load_drafter(trained).spec == trained_spec
 
 
 def test_init_takes_a_shipped_drafters_name(tmp_path):

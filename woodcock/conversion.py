@@ -15,7 +15,7 @@ from woodcock.converters.vocab import apply_options
 from woodcock.formats.detect import format_named
 from woodcock.ir import Drafter
 from woodcock.loading import load_drafter_with_format, resolve_source
-from woodcock.staging import checks_in_background
+from woodcock.staging import checks_in_background, refuse_replacing_inputs
 from woodcock.target_checkpoint import load_target_tensors, target_from_config
 
 
@@ -62,8 +62,12 @@ def convert(
     the drafter raises a DrafterError saying why. A native source's sha256s are checked while
     the output is written, and the output is renamed into place only once they pass."""
     writer = format_named(to)
+    source_path = resolve_source(source)
+    refuse_replacing_inputs(
+        Path(dest), {"source drafter": source_path, "target": target, "counts file": counts}
+    )
     with checks_in_background():
-        drafter, reader = load_drafter_with_format(source, source_format, taps=taps)
+        drafter, reader = load_drafter_with_format(source_path, source_format, taps=taps)
         original = drafter
         if target is not None:
             drafter = attach_target(drafter, target_from_config(target))
@@ -79,7 +83,7 @@ def convert(
             if target_name is not None:
                 drafter = rename_target(drafter, target_name)
             if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
-                provenance = reader.read_provenance(resolve_source(source))
+                provenance = reader.read_provenance(source_path)
                 writer.write(drafter, Path(dest), force=force, provenance=provenance)
             else:
                 writer.write(drafter, Path(dest), force=force)

@@ -47,6 +47,16 @@ from woodcock.tensorfile import FLOAT_DTYPES, dtype_name
 CANONICAL_LAYER_CONVENTION = "after_layers"
 
 ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+# What each scaled RoPE cannot be computed without: transformers' required keys
+# (modeling_rope_utils' _validate_*_rope_parameters), less original_max_position_embeddings,
+# which transformers fills in from max_position_embeddings.
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,12 +314,30 @@ class DecoderLayer(Validated):
             _fail("rms_norm_eps", self.rms_norm_eps, "a positive number")
         if self.rope_theta <= 0:
             _fail("rope_theta", self.rope_theta, "a positive number")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ROPE_TYPES:
-            _fail(
-                "rope_scaling.rope_type",
-                self.rope_scaling.get("rope_type"),
-                f"one of {', '.join(ROPE_TYPES)} (plain RoPE is rope_scaling = null)",
-            )
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        _fail(
+            "rope_scaling.rope_type",
+            rope_type,
+            f"one of {', '.join(ROPE_TYPES)} (plain RoPE is rope_scaling = null)",
+        )
+    for key in ROPE_REQUIRED_KEYS[rope_type]:
+        value = scaling.get(key)
+        if key in ("short_factor", "long_factor"):
+            ok, expected = isinstance(value, list) and all(map(_finite, value)), "a list of numbers"
+        else:
+            ok, expected = _finite(value), "a number"
+        if not ok:
+            _fail(f"rope_scaling.{key}", value, f"{expected} (rope_type {rope_type!r} needs it)")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

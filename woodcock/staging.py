@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from woodcock.errors import DrafterError
@@ -169,6 +169,21 @@ def staged_file(dest: Path) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         _release(staging_lock)
+
+
+def refuse_replacing_inputs(dest: Path, inputs: Mapping[str, str | Path | None]) -> None:
+    """An output directory is replaced whole under --force, so it must not be, or hold, one of
+    the command's own inputs (by role: {"source drafter": path}); names that are not local
+    paths (Hugging Face ids) are skipped."""
+    dest = Path(dest).expanduser().resolve()
+    for role, given in inputs.items():
+        path = None if given is None else Path(given).expanduser()
+        if path is None or not path.exists():
+            continue
+        path = path.resolve()
+        if dest == path or dest in path.parents:
+            where = f"is the {role}" if dest == path else f"holds the {role} {path}"
+            raise DrafterError(f"{dest}: the output {where}; write the output elsewhere")
 
 
 def _refuse_existing(dest: Path, force: bool) -> None:

@@ -47,6 +47,7 @@ from woodcock.formats import native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.jsonfile import read_json_object
 from woodcock.provenance import portable_path, portable_paths
+from woodcock.staging import refuse_replacing_inputs
 from woodcock.target_checkpoint import target_from_config
 from woodcock.train.block_trainer import BlockRun
 from woodcock.train.checkpoints import (
@@ -154,6 +155,8 @@ def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
     """The checkpoint directory, once OUT and it may be used as asked (--force clears an
     earlier run's checkpoints: the rank that `writes` does)."""
     out = Path(opts.out)
+    inputs = {"answers (--data)": opts.data, "--init drafter": opts.init, "target": opts.target}
+    refuse_replacing_inputs(out, inputs)
     if out.exists() and not opts.force:
         raise DrafterError(f"{out}: already exists; pass --force to replace it")
     ckpt = opts.checkpoint_dir()
