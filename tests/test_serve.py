@@ -23,7 +23,13 @@ from mlx_targets import tiny_target
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, speculative_generate_step
-from woodcock.runtime.generate import encode_messages, encode_prompt, generate
+from woodcock.runtime.generate import (
+    TextStream,
+    encode_messages,
+    encode_prompt,
+    generate,
+    token_bytes,
+)
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
 
@@ -438,8 +444,12 @@ def test_chat_logprobs_are_the_targets_streamed_or_not(server, plain_server, ses
         assert choice.message.content == expected
         content = choice.logprobs.content
         assert len(content) == len(rows)  # tokens decoded alone: not always the text's pieces
+        # each token's own bytes (the demo's answer splits characters): together, the text's as
+        # the tokenizer decodes it
+        tokens = rows.argmax(axis=-1).tolist()
+        together = bytes(b for entry in content for b in entry.bytes)
+        assert together.decode(errors="replace") == session.tokenizer.decode(tokens)
         for entry, row in zip(content, rows, strict=True):
-            assert entry.bytes == list(entry.token.encode())
             assert len(entry.top_logprobs) == 3
             assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
             assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
@@ -479,6 +489,52 @@ def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(server, session
     assert (tokens, offsets) == (logprobs.tokens, logprobs.text_offset)
     assert np.allclose(values, rows.max(axis=-1), atol=2e-4)
     assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=4).choices[0].logprobs is None
+
+
+def test_a_completion_continues_its_prompt_leading_space_included(server, plain_server, session):
+    """A completion is appended to its prompt: it keeps the space that starts its first token
+    (mlx-lm's detokenizers drop it from an answer), and its stop strings and offsets see it."""
+    tokenizer = session.tokenizer
+    (the,) = tokenizer.encode(" the", add_special_tokens=False)
+    bias = {str(the): 100.0}  # every token " the", the one before the forced token a space
+    for running in (server, plain_server):
+        client = running.client()
+        answer = client.completions.create(
+            model=running.model, prompt="Paris is", max_tokens=4, temperature=0, logprobs=1, logit_bias=bias
+        ).choices[0]
+        assert answer.text == " the" * 4
+        assert answer.logprobs.tokens == [" the"] * 4 and answer.logprobs.text_offset == [0, 4, 8, 12]
+        chunks = client.completions.create(
+            model=running.model, prompt="Paris is", max_tokens=4, logit_bias=bias, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == " the" * 4
+        stopped = client.completions.create(
+            model=running.model, prompt="Paris is", max_tokens=4, logit_bias=bias, stop=[" the"]
+        ).choices[0]
+        assert (stopped.text, stopped.finish_reason) == ("", "stop")
+        reply = chat(running, [{"role": "user", "content": "Paris is"}], 4, logit_bias=bias)
+        assert reply.choices[0].message.content == "the the the the"  # an answer, as mlx-lm's
+
+
+def test_a_stop_string_completed_by_text_held_back_to_the_end_still_stops(session):
+    """mlx-lm's detokenizer holds a lone space (and part of a character) back until the next
+    token; where generation ends there, the flushed text is checked for stop strings too."""
+    tokenizer = session.tokenizer
+    tokens = tokenizer.encode("The answer is ", add_special_tokens=False)
+    for max_tokens in (len(tokens), len(tokens) + 5):  # ends by length, or by the caller
+        text = TextStream(tokenizer, max_tokens=max_tokens, stop=["is "])
+        for token in tokens:
+            text.add(token)
+        result = text.close()
+        assert (result.text, result.finish_reason, result.stop_string) == ("The answer ", "stop", "is ")
+
+
+def test_token_bytes_rebuild_characters_split_over_tokens(session):
+    tokenizer = session.tokenizer
+    text = "Pizza: \U0001f355\U0001f355, d\u00e9j\u00e0 vu"
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert any(tokenizer.decode([t]) == "\ufffd" for t in tokens)  # part of a character alone
+    assert b"".join(token_bytes(tokenizer, t) for t in tokens) == text.encode("utf-8")
 
 
 def test_plain_decoding_keeps_the_penalties_history_over_the_prompt_cache(session):

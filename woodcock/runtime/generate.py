@@ -3,6 +3,7 @@ stop rules of plain decoding (EOS, max tokens, stop strings) applied to the spec
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,12 +35,14 @@ def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
 @dataclass
 class TokenLogprob:
     """One emitted token's log-probability under the target and the most likely tokens at its
-    position (text is each token decoded alone)."""
+    position (text is each token decoded alone; raw its bytes, which for a token holding part
+    of a character are not that text's)."""
 
     token: int
     text: str
+    raw: bytes
     logprob: float
-    top: list[tuple[int, str, float]]  # (token, text, logprob), most likely first
+    top: list[tuple[int, str, bytes, float]]  # (token, text, raw, logprob), most likely first
 
 
 class LoggedText(str):
@@ -60,9 +63,44 @@ def token_logprob(tokenizer, token: int, logprobs: mx.array, top: int) -> TokenL
     if top:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
         ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda x: -x[1])
-        best = [(i, tokenizer.decode([i]), value) for i, value in ranked]
+        best = [(i, tokenizer.decode([i]), token_bytes(tokenizer, i), value) for i, value in ranked]
     value = logprobs[token].item()
-    return TokenLogprob(token, tokenizer.decode([token]), value, best)
+    return TokenLogprob(
+        token, tokenizer.decode([token]), token_bytes(tokenizer, token), value, best
+    )
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes a token adds to the text: its vocabulary entry read as byte-level BPE (GPT-2's
+    byte alphabet) or SentencePiece (`<0xNN>` byte pieces, `▁` for a space) where the
+    tokenizer's detokenizer is one of those, else the token decoded alone."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    detokenizer = tokenizer.detokenizer
+    if isinstance(detokenizer, BPEStreamingDetokenizer | SPMStreamingDetokenizer):
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            if isinstance(detokenizer, BPEStreamingDetokenizer):
+                table = _byte_level_alphabet()
+                return b"".join(
+                    bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece
+                )
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([token]).encode("utf-8")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: character -> byte. Printable Latin-1 bytes stand for
+    themselves; the others, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if chr(b) not in table)
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
 
 
 @dataclass
@@ -87,6 +125,11 @@ class Generation:
         return len(self.tokens) / self.generation_seconds if self.generation_seconds else 0.0
 
 
+# Prompt tokens a continuation is detokenized after: enough for a tokenizer's spacing rules
+# (vLLM's incremental detokenizer starts 5 tokens back).
+CONTINUED_PROMPT_TOKENS = 5
+
+
 class TextStream:
     """Plain decoding's stop rules over tokens given one at a time (`add`): end before an EOS
     token, after max_tokens, or where a stop string begins (the text is cut there). Text that
@@ -95,7 +138,11 @@ class TextStream:
     logprobs: None, or each token comes with the target's log-probabilities at its position [V]
     and the result's `logprobs` has each token's entry with the `logprobs` most likely tokens;
     `on_text` then gets LoggedText pieces carrying the entries consumed since the last piece (a
-    last empty piece carries those no text came with)."""
+    last empty piece carries those no text came with).
+
+    continues: the prompt's tokens, for text that is appended to the prompt's (a completion):
+    the text is what the tokens add after the prompt's last few, its leading space included,
+    where on its own (an answer) mlx-lm's detokenizers drop a leading space."""
 
     def __init__(
         self,
@@ -105,6 +152,7 @@ class TextStream:
         stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
         logprobs: int | None = None,
+        continues: Sequence[int] = (),
     ):
         self.result = Generation()
         self.done = False
@@ -112,6 +160,14 @@ class TextStream:
         self._on_text, self._logprobs = on_text, logprobs
         self._detokenizer = tokenizer.detokenizer
         self._detokenizer.reset()
+        self._prompt_text = ""  # the detokenizer's text of the prompt's tokens it was given
+        if continues:
+            prompt = tokenizer.detokenizer
+            for token in continues[-CONTINUED_PROMPT_TOKENS:]:
+                prompt.add_token(token)
+                self._detokenizer.add_token(token)
+            prompt.finalize()
+            self._prompt_text = prompt.text
         self._eos = set(tokenizer.eos_token_ids)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._shown, self._cut, self._sent = 0, -1, 0
@@ -128,13 +184,8 @@ class TextStream:
             return True
         result.tokens.append(token)
         self._detokenizer.add_token(token)
-        text = self._detokenizer.text
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self._cut = cut
-            result.text, result.finish_reason = text[:cut], "stop"
-            result.stop_string = next(s for s in self._stop if text.find(s) == cut)
-            self.done = True
+        text = self._text()
+        if self._cut_at_stop(text):
             return True
         if len(text) - self._hold > self._shown:
             self._show(text[self._shown : len(text) - self._hold])
@@ -146,8 +197,10 @@ class TextStream:
         """The text so far, complete or not (a cancelled generation ends here too)."""
         result = self.result
         if self._cut < 0:
-            self._detokenizer.finalize()
-            result.text = self._detokenizer.text
+            self._detokenizer.finalize()  # text held back (a space, part of a character)
+            text = self._text()
+            if not self._cut_at_stop(text):
+                result.text = text
         if len(result.text) > self._shown:
             self._show(result.text[self._shown :])
             self._shown = len(result.text)
@@ -156,6 +209,20 @@ class TextStream:
             if self._sent < len(self._entries):
                 self._show("")
         return result
+
+    def _text(self) -> str:
+        return self._detokenizer.text[len(self._prompt_text) :]
+
+    def _cut_at_stop(self, text: str) -> bool:
+        """Cut the text where a stop string begins, if one does: the generation is complete."""
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        self._cut = cut
+        self.result.text, self.result.finish_reason = text[:cut], "stop"
+        self.result.stop_string = next(s for s in self._stop if text.find(s) == cut)
+        self.done = True
+        return True
 
     def _show(self, text: str) -> None:
         if self._on_text is None:
@@ -197,9 +264,10 @@ def generate(
     logits_processors: Sequence[LogitsProcessor] = (),
     logprobs: int | None = None,
     key: mx.array | None = None,
+    continues: Sequence[int] = (),
 ) -> Generation:
     """cached, cancelled, logits_processors, key: as for `speculative_generate_step` (a
-    cancelled generation ends with the text so far). logprobs: as for `timed_text`."""
+    cancelled generation ends with the text so far). logprobs, continues: as for TextStream."""
     stats = Stats()
     steps = speculative_generate_step(
         prompt_ids,
@@ -223,6 +291,7 @@ def generate(
         stop=stop,
         on_text=on_text,
         logprobs=logprobs,
+        continues=continues,
     )
     result.stats = stats
     return result
@@ -237,6 +306,7 @@ def timed_text(
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
     logprobs: int | None = None,
+    continues: Sequence[int] = (),
 ) -> Generation:
     """A lazy token stream (of (token, log-probabilities [V]) when `logprobs` is given: see
     TextStream) whose first token comes once the prompt has been processed, through a
@@ -245,7 +315,12 @@ def timed_text(
     start = time.perf_counter()
     first_token_at = 0.0
     text = TextStream(
-        tokenizer, max_tokens=max_tokens, stop=stop, on_text=on_text, logprobs=logprobs
+        tokenizer,
+        max_tokens=max_tokens,
+        stop=stop,
+        on_text=on_text,
+        logprobs=logprobs,
+        continues=continues,
     )
     for item in tokens:
         if not first_token_at:

@@ -82,6 +82,21 @@ def _conversation(body: dict) -> list[dict]:
 
 def _parse_as_chat(body: dict, facts: ModelFacts, max_tokens) -> GenerationRequest:
     _refuse_unsupported(body)
+    # Anthropic's own bounds where they are narrower than OpenAI's (types are checked there)
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and not isinstance(temperature, bool):
+        if not 0 <= temperature <= 1:
+            raise RequestError(
+                f"temperature = {temperature}: expected a number in [0, 1]",
+                param="temperature",
+                code="invalid_value",
+            )
+    if isinstance(body.get("stop_sequences"), str):
+        raise RequestError(
+            "stop_sequences: expected an array of strings, got a string",
+            param="stop_sequences",
+            code="invalid_type",
+        )
     chat = {name: body.get(name) for name in ("model", "temperature", "top_p", "top_k", "stream")}
     stop = list(stop_strings(body, "stop_sequences"))
     chat.update(messages=_conversation(body), max_tokens=max_tokens, stop=stop)

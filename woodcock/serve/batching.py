@@ -145,6 +145,7 @@ class Batcher:
             stop=request.stop,
             on_text=on_text,
             logprobs=request.logprobs,
+            continues=ids if request.endpoint == "completions" else (),
         )
         running = Running(job, sequence, text, parts, started)
         first = sequence.start(cached, job.cancelled.is_set)

@@ -154,6 +154,7 @@ class Engine:
                 logits_processors=processors,
                 logprobs=request.logprobs,
                 key=None if request.seed is None else mx.random.key(request.seed),
+                continues=ids if request.endpoint == "completions" else (),
             )
         # the caches hold the first `offset` tokens of the prompt and the stream; the stream
         # may have run past what was kept (a round's drafts after a stop), hence the minimum
@@ -211,6 +212,7 @@ class Engine:
             stop=request.stop,
             on_text=on_text,
             logprobs=request.logprobs,
+            continues=ids if request.endpoint == "completions" else (),
         )
         result.stats = Stats(prompt_tokens=len(ids), cached_tokens=cached)
         return result

@@ -46,14 +46,14 @@ def chat_logprobs(entries) -> dict:
     """Chat's `logprobs`: each token's text, log-probability, UTF-8 bytes and most likely
     alternatives (generate.TokenLogprob entries)."""
 
-    def token(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def token(text: str, raw: bytes, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
             {
-                **token(e.text, e.logprob),
-                "top_logprobs": [token(text, value) for _, text, value in e.top],
+                **token(e.text, e.raw, e.logprob),
+                "top_logprobs": [token(text, raw, value) for _, text, raw, value in e.top],
             }
             for e in entries
         ]
@@ -68,7 +68,7 @@ def completion_logprobs(entries, text_offset: int = 0) -> dict:
         offsets.append(text_offset)
         text_offset += len(e.text)
         top: dict[str, float] = {}
-        for _, text, value in e.top:
+        for _, text, _, value in e.top:
             top.setdefault(text, value)  # texts that agree (partial characters): the likelier
         tops.append(top)
     return {
