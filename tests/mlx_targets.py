@@ -34,6 +34,60 @@ CONFIGS = {
         "tie_word_embeddings": False,
     },
 }
+_SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 96,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+# Families whose mlx-lm classes keep their parts where the common ones do not: `model.layers` a
+# copy of the list the forward runs (qwen2's pipeline slice), layers that return a tuple
+# (gemma4_text), the language model inside a multimodal wrapper (gemma3), a token embedding
+# beside a position embedding (gpt2's wte and wpe), a head of its own name (internlm2's output).
+CONFIGS |= {
+    "qwen2": {"model_type": "qwen2", **_SMALL},
+    "gemma4_text": {
+        "model_type": "gemma4_text",
+        **_SMALL,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "vocab_size_per_layer_input": 96,
+        "hidden_size_per_layer_input": 16,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "use_double_wide_mlp": False,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "model_type": "gemma3",
+        "vocab_size": 96,
+        "text_config": {
+            "model_type": "gemma3_text",
+            **_SMALL,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+        },
+    },
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_ctx": 512,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_layer": 4,
+        "n_positions": 512,
+        "layer_norm_epsilon": 1e-5,
+        "vocab_size": 96,
+    },
+    "internlm2": {"model_type": "internlm2", **_SMALL, "rope_theta": 10000.0},
+}
 
 
 def tiny_target(model_type: str = "qwen3", seed: int = 0, scale: float = 1.0, **overrides):

@@ -20,10 +20,12 @@ from mlx_targets import tiny_target
 from stats_helpers import chi_square_exceeds, exact_marginals
 
 from woodcock.demo import bigram_drafter, write_tiny_target
+from woodcock.errors import DrafterError
 from woodcock.runtime.block import BlockDrafter
 from woodcock.runtime.decode import PREFILL_CHUNK, Stats, speculative_generate_step
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.generate import finish_text
+from woodcock.runtime.ngram import NgramDrafter
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
@@ -33,13 +35,13 @@ BLOCK_SIZE = 16  # with sample_from_anchor: 16 drafts a round
 
 
 def random_spec(model, algorithm, *, taps, window=None, **fields):
-    args = model.args
+    facts = MlxTarget(model, ())  # what the runtime reads off the model, whatever its family
     spec = tiny_spec(
         algorithm,
         style="qwen3" if algorithm != "eagle3" else "llama",
-        hidden_size=args.hidden_size,
-        vocab_size=args.vocab_size,
-        target_layers=args.num_hidden_layers,
+        hidden_size=facts.hidden_size,
+        vocab_size=facts.vocab_size,
+        target_layers=facts.num_layers,
         taps=taps,
         **({"tap_norm": "per_tap"} if algorithm == "eagle3" else {}),
         **fields,
@@ -53,7 +55,8 @@ def random_spec(model, algorithm, *, taps, window=None, **fields):
 
 def runtime_drafter(kind, model, *, window=None, seed=5):
     """A random (so often wrong) drafter of `kind` for `model`, with its target."""
-    layers = model.args.num_hidden_layers
+    facts = MlxTarget(model, ())
+    layers = facts.num_layers
     if kind == "eagle3":
         spec = random_spec(model, "eagle3", taps=(0, layers // 2, layers), window=window)
     else:
@@ -65,7 +68,7 @@ def runtime_drafter(kind, model, *, window=None, seed=5):
             block_size=BLOCK_SIZE,
             sample_from_anchor=True,
             markov_head_type="vanilla",
-            mask_token_id=model.args.vocab_size - 1,
+            mask_token_id=facts.vocab_size - 1,
         )
     drafter = random_drafter(spec, seed=seed)
     target = MlxTarget(model, spec.taps.layer_ids)
@@ -215,6 +218,36 @@ def test_greedy_with_a_rotating_cache_target(kind):
     for prompt in ([1, 2, 3], list(range(10, 40))):
         got = generate_tokens(prompt, target, drafter, max_tokens=200, num_draft=4)
         assert got == plain_greedy(model, prompt, 200)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma4_text", "gemma3", "gpt2"])
+@pytest.mark.parametrize("kind", ["eagle3", "block", "ngram"])
+def test_greedy_on_targets_built_unlike_the_common_families(family, kind):
+    """mlx_targets.CONFIGS says what each family does differently: the runtime must find the
+    layer list the forward runs, a layer's hidden state in what it returns, and the token
+    embedding under its family's name."""
+    model = tiny_target(family, scale=0.5, seed=1)
+    if kind == "ngram":
+        target = MlxTarget(model, ())
+        drafter = NgramDrafter(target.vocab_size)
+    else:
+        target, drafter = runtime_drafter(kind, model)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert generate_tokens(prompt, target, drafter, max_tokens=40, num_draft=4) == plain_greedy(
+        model, prompt, 40
+    )
+
+
+def test_a_target_whose_head_has_its_own_name_is_refused_a_shared_head_drafter():
+    """internlm2 calls its head `output`: a drafter that shares the target's head is refused
+    (not given the embedding in its place); prompt lookup needs no head and runs."""
+    model = tiny_target("internlm2", scale=0.5, seed=1)
+    with pytest.raises(DrafterError, match="its head is not one `lm_head`"):
+        runtime_drafter("eagle3", model)
+    target = MlxTarget(model, ())
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    got = generate_tokens(prompt, target, NgramDrafter(target.vocab_size), max_tokens=20, num_draft=4)
+    assert got == plain_greedy(model, prompt, 20)
 
 
 def quantized_target(vocab_size=96, num_hidden_layers=4):

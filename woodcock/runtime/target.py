@@ -27,6 +27,19 @@ from woodcock.errors import DrafterError
 from woodcock.ir import DrafterSpec
 from woodcock.runtime.cpu_kernels import install_kernels, kernels_in_use
 
+# What mlx-lm's model families call their token embedding, most common first
+TOKEN_EMBEDDING_NAMES = (
+    "embed_tokens",
+    "wte",
+    "word_embeddings",
+    "tok_embeddings",
+    "token_embeddings",
+    "embed_in",
+    "embeddings",
+    "embedding",
+    "embed",
+)
+
 
 class _Recorder:
     """Stands in for one decoder layer during a forward: calls it, keeps its input and/or output.
@@ -40,8 +53,8 @@ class _Recorder:
         if self.keep_input:
             self.input = x
         out = self.layer(x, *args, **kwargs)
-        if self.keep_output:
-            self.output = out
+        if self.keep_output:  # some families' layers return (hidden, their cache state...)
+            self.output = out[0] if isinstance(out, tuple) else out
         return out
 
     def __getattr__(self, name):
@@ -67,6 +80,45 @@ def recording(layers: list, layer_ids: Sequence[int]) -> Iterator[list]:
     finally:
         layers[:] = originals
     states.extend(recorders[0].input if i == 0 else recorders[i - 1].output for i in wanted)
+    if any(state is None for state in states):
+        raise DrafterError(
+            "the model's forward did not run its decoder layers from the list they were tapped"
+            " in: its hidden states cannot be read"
+        )
+
+
+def decoder_layers(model: nn.Module) -> list:
+    """The list the model's forward runs its decoder layers from, whose entries `recording`
+    swaps. `model.layers` is that list in most mlx-lm families; in others it is a copy (the
+    pipeline-parallel families' slice) and the list is the one inside the model holding the
+    same layers."""
+    layers = model.layers
+    for _, module in model.named_modules():
+        for value in module.values():
+            if (
+                isinstance(value, list)
+                and len(value) == len(layers)
+                and all(a is b for a, b in zip(value, layers, strict=True))
+            ):
+                return value
+    return layers
+
+
+def embedding_module(model: nn.Module) -> nn.Module:
+    """The token embedding, by the names mlx-lm's families give it (`embed_tokens`, under a
+    multimodal wrapper's language model too; gpt2's `wte` beside its position embedding), else
+    the embedding with the most rows."""
+    found = [
+        (name.split(".")[-1], module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding)
+    ]
+    named = [(TOKEN_EMBEDDING_NAMES.index(n), m) for n, m in found if n in TOKEN_EMBEDDING_NAMES]
+    if named:
+        return min(named, key=lambda ranked: ranked[0])[1]
+    if not found:
+        raise DrafterError("the model has no token embedding (nn.Embedding) to read")
+    return max((module for _, module in found), key=lambda module: module.weight.shape[0])
 
 
 class _LastPosition:
@@ -112,7 +164,7 @@ class MlxTarget:
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int], name: str = "target"):
         self.model, self.name = model, name
-        self.layers = model.layers  # the model's own list: entries are swapped in place
+        self.layers = decoder_layers(model)  # the model's own list: entries are swapped
         self.num_layers = len(self.layers)
         bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad or list(layer_ids) != sorted(set(layer_ids)):
@@ -195,25 +247,22 @@ class MlxTarget:
         return int(self._embedding().shape[0])
 
     def _embedding(self) -> mx.array:
-        embed = self.model.model.embed_tokens
-        if hasattr(embed, "scales"):  # quantized
-            return mx.dequantize(
-                embed.weight, embed.scales, embed.biases, embed.group_size, embed.bits
-            )
-        return embed.weight
+        return _dequantized(embedding_module(self.model))
 
     def shared_tensors(self) -> dict[str, np.ndarray]:
         """{"embed_tokens.weight", "lm_head.weight"} [V, Ht] as numpy (the head is the embedding
         when the target ties them)."""
         embedding = self._embedding()
-        head = embedding
-        lm_head = getattr(self.model, "lm_head", None)
-        if lm_head is not None:
-            head = lm_head.weight
-            if hasattr(lm_head, "scales"):
-                head = mx.dequantize(
-                    lm_head.weight, lm_head.scales, lm_head.biases, lm_head.group_size, lm_head.bits
-                )
+        heads = [m for name, m in self.model.named_modules() if name.split(".")[-1] == "lm_head"]
+        if len(heads) == 1:
+            head = _dequantized(heads[0])
+        elif not heads and getattr(getattr(self.model, "args", None), "tie_word_embeddings", 1):
+            head = embedding
+        else:
+            raise DrafterError(
+                f"{self.name}: its head is not one `lm_head` and it does not tie its head to its"
+                " embedding: a drafter that shares the target's head cannot be given it"
+            )
         return {
             "embed_tokens.weight": np.array(embedding.astype(mx.float32)),
             "lm_head.weight": np.array(head.astype(mx.float32)),
@@ -237,3 +286,12 @@ class MlxTarget:
                 f"the drafter was built for a target with {layers} layers; {self.name} has"
                 f" {self.num_layers}"
             )
+
+
+def _dequantized(module: nn.Module) -> mx.array:
+    """An embedding's or linear layer's weight [rows, columns], dequantized where quantized."""
+    if hasattr(module, "scales"):
+        return mx.dequantize(
+            module.weight, module.scales, module.biases, module.group_size, module.bits
+        )
+    return module.weight

@@ -65,7 +65,7 @@ class TargetRunner:
             self.model.set_dtype(mx.float32)
         self.layer_ids = tuple(layer_ids)
         adapter = MlxTarget(self.model, (), name=f"target {source}")
-        self.num_layers = adapter.num_layers
+        self.num_layers, self.layers = adapter.num_layers, adapter.layers
         bad = [i for i in self.layer_ids if not 0 <= i <= self.num_layers]
         if bad:
             raise DrafterError(
@@ -91,7 +91,7 @@ class TargetRunner:
         as `to_fp16` stores them (with their exponents), argmax int32 [B, L]."""
         x = mx.array(tokens)
         inner = self.model.model
-        with recording(self.model.layers, self.layer_ids) as states:
+        with recording(self.layers, self.layer_ids) as states:
             hidden = inner(x)
         taps = mx.concatenate(states, axis=-1)
         argmax = []
