@@ -1,6 +1,6 @@
 """benchmarks/round_profile.py, benchmarks/head_noise.py and benchmarks/prefill_batch.py, steps
 of the GPU check, run on the CPU with the demo pair: a GPU lease is too short to find a broken
-script there."""
+script there; benchmarks/family_sweep.py on one family."""
 
 import json
 import subprocess
@@ -65,3 +65,16 @@ def test_prefill_batch_on_the_demo_target(tmp_path):
     for row in found["rows"]:
         assert row["alone_ms"] > 0 and row["together_ms"] > 0 and row["in_turn_mean"] == 2
         assert row["together_mean"] == pytest.approx(row["together_ms"] / row["alone_ms"])
+
+
+@pytest.mark.slow
+def test_family_sweep_tells_identical_from_refused(tmp_path):
+    found = run_script(
+        "family_sweep.py",
+        *("--families", "internlm2", "--tokens", "8", "--draft-lengths", "4"),
+        *("--json", str(tmp_path / "sweep.json")),
+    )
+    runs = found["families"]["internlm2"]
+    assert len(runs) == 9
+    for r in runs:  # its head is `output`: the drafters that share it are refused
+        assert r["outcome"] == ("identical" if r["kind"] == "lookup" else "refused"), r

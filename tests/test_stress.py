@@ -246,7 +246,9 @@ def test_a_target_whose_head_has_its_own_name_is_refused_a_shared_head_drafter()
         runtime_drafter("eagle3", model)
     target = MlxTarget(model, ())
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
-    got = generate_tokens(prompt, target, NgramDrafter(target.vocab_size), max_tokens=20, num_draft=4)
+    got = generate_tokens(
+        prompt, target, NgramDrafter(target.vocab_size), max_tokens=20, num_draft=4
+    )
     assert got == plain_greedy(model, prompt, 20)
 
 
