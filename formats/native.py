@@ -64,7 +64,16 @@ MANIFEST_KEYS = (
 
 
 def matches(path: Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    """The manifest, or a native config without it (read then says the manifest is missing,
+    rather than another format's reader refusing the config's keys)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return True
+    try:
+        config = read_json_object(path / CONFIG)
+    except DrafterError:
+        return False
+    return {"format_version", "taps", "fusion"} <= set(config)
 
 
 def write(

@@ -141,6 +141,7 @@ def edit_json(path: Path, name: str, edit) -> None:
         (lambda p: _flip_byte(p / "config.json"), "config.json: sha256 .* does not match"),
         (lambda p: _flip_byte(p / "vocab_counts.npz"), "vocab_counts.npz: sha256"),
         (lambda p: (p / "config.json").unlink(), "config.json: missing file"),
+        (lambda p: (p / "woodcock.json").unlink(), "woodcock.json: missing file"),
         (lambda p: (p / "woodcock.json").write_text("{"), "woodcock.json: not valid JSON"),
         (
             lambda p: edit_json(p, "woodcock.json", lambda m: m.pop("tensors")),
