@@ -472,6 +472,22 @@ def _sliding_non_causal(spec: DrafterSpec) -> bool:
     return kinds != {"block_causal"}
 
 
+def vllm_notes(config: dict[str, Any]) -> list[str]:
+    """What vLLM 0.33.0 would run differently from what this config means to speculators."""
+    layer_types = config["transformer_layer_config"].get("layer_types") or []
+    if (
+        config["speculators_model_type"] == "dflash"
+        and config.get("sliding_window_non_causal") is False
+        and "full_attention" in layer_types
+    ):
+        return [
+            "vLLM 0.33.0 reads sliding_window_non_causal = false as every layer causal: this"
+            " drafter's full-attention layers, bidirectional in speculators, would run causal"
+            " there"
+        ]
+    return []
+
+
 def _layer_config(spec: DrafterSpec) -> dict[str, Any]:
     # sliding windows and attention kinds may differ by layer type (layer_types), checked below
     first = hf.uniform_layers(spec, "speculators", hf.UNIFORM_LAYER_FIELDS[:-2])

@@ -336,6 +336,24 @@ def test_full_attention_block_layers_are_written_non_causal(tmp_path):
     config = json.loads((tmp_path / "mixed" / "config.json").read_text())
     assert config["sliding_window_non_causal"] is False
     assert speculators.read(tmp_path / "mixed").spec.layers == mixed.layers
+    assert speculators.vllm_notes(config) and not speculators.vllm_notes(
+        json.loads((tmp_path / "full" / "config.json").read_text())
+    )
+
+
+def test_the_dry_run_says_what_vllm_would_run_differently(tmp_path, capsys):
+    spec = tiny_spec("dflash", style="qwen3", num_layers=2)
+    sliding = dataclasses.replace(spec.layers[0], attention="block_causal", sliding_window=8)
+    source = tmp_path / "native"
+    format_named("woodcock").write(
+        random_drafter(dataclasses.replace(spec, layers=(sliding, spec.layers[1]))), source
+    )
+    argv = ["convert", str(source), str(tmp_path / "out"), "--to", "speculators", "--dry-run"]
+    code, out, _ = run_cli(argv, capsys)
+    assert (
+        code == 0 and "full-attention layers, bidirectional in speculators, would run causal" in out
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def make_target(path: Path, spec, tie: bool) -> dict:

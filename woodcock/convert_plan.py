@@ -35,11 +35,11 @@ def output_tensors(
             files += [writer.COUNTS_FILE, writer.COUNTS_INFO]
         return tensors, sources, [*files, writer.MANIFEST], []
     if writer.NAME == "speculators":
-        writer.speculators_config(drafter.spec)  # the writer's own checks
+        config = writer.speculators_config(drafter.spec)  # the writer's own checks
         if ids is not None:
             tensors |= offsets_and_mask(drafter)
             sources["d2t"] = sources["t2d"] = "(vocabulary map)"
-        return tensors, sources, ["config.json", "model.safetensors"], []
+        return tensors, sources, ["config.json", "model.safetensors"], writer.vllm_notes(config)
     raise DrafterError(f"--dry-run: no plan for format {writer.NAME!r}")
 
 
