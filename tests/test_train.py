@@ -501,3 +501,15 @@ def test_distill_and_train_default_to_the_default_target(work, tmp_path, monkeyp
     assert report.steps == 1
     recipe = native.read_provenance(tmp_path / "drafter")["recipe"]
     assert recipe["target"] == f"target@sha256:{content_sha256(work / 'target')}"
+
+
+def test_a_target_without_a_decoder_at_model_model_is_refused_as_a_teacher(monkeypatch):
+    """Training reads the final hidden state from `model.model`; a multimodal wrapper keeps its
+    decoder under `language_model`, and is refused in one line, not failed in the middle."""
+    from mlx_targets import tiny_target
+
+    from woodcock.train import features
+
+    monkeypatch.setattr(features, "load", lambda source: (tiny_target("gemma3"), None))
+    with pytest.raises(DrafterError, match=r"no decoder at `model.model` \(mlx_lm.models.gemma3\)"):
+        features.TargetRunner("wrapped", (1, 2))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm import load
 
@@ -65,6 +66,11 @@ class TargetRunner:
             self.model.set_dtype(mx.float32)
         self.layer_ids = tuple(layer_ids)
         adapter = MlxTarget(self.model, (), name=f"target {source}")
+        if not isinstance(getattr(self.model, "model", None), nn.Module):
+            raise DrafterError(
+                f"target {source}: no decoder at `model.model` ({type(self.model).__module__}):"
+                " training reads the final hidden state there, so this family cannot be a teacher"
+            )
         self.num_layers, self.layers = adapter.num_layers, adapter.layers
         bad = [i for i in self.layer_ids if not 0 <= i <= self.num_layers]
         if bad:
