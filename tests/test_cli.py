@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,39 @@ def test_a_target_directory_without_a_config_is_refused_with_one_line(tmp_path, 
     code, out, err = run_cli(["generate", "--target", str(empty), "--drafter", str(drafter), "--prompt", "x"], capsys)
     assert code == 2
     assert err.strip() == f"woodcock: error: {empty / 'config.json'}: missing; expected an mlx-lm model directory"
+
+
+def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(tmp_path, capsys):
+    from woodcock.demo import write_demo
+
+    write_demo(tmp_path / "demo")
+    target, drafter = tmp_path / "demo" / "target", str(tmp_path / "demo" / "drafter")
+    truncated, listed = tmp_path / "truncated", tmp_path / "listed"
+    shutil.copytree(target, truncated)
+    shutil.copytree(target, listed)
+    (truncated / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes()[:100])
+    (listed / "config.json").write_text("[1, 2]")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00x")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n')
+    generate = ["generate", "--drafter", drafter, "--no-chat", "-m", "2"]
+    cases = [
+        (generate + ["--target", str(truncated), "--prompt", "x"], f"{truncated}: mlx-lm cannot load it"),
+        (generate + ["--target", str(listed), "--prompt", "x"], "config.json: expected a JSON object, found list"),
+        (generate + ["--target", str(target), "--prompt", ""], "--prompt: the prompt is empty"),
+        (generate + ["--target", str(target), "--prompt-file", str(tmp_path / "binary.txt")], "binary.txt: not UTF-8 text"),
+        (
+            ["distill", "--target", str(truncated), "--prompts", str(prompts), "--out", str(tmp_path / "d")],
+            "mlx-lm cannot load it",
+        ),
+        (
+            ["latency", "--target", str(target), "--drafter", drafter, "--out", str(tmp_path / "l.json"), "--contexts", "1000000"],
+            "--contexts 1000000: expected at most 4080 (the target's context is 4096 tokens",
+        ),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli(argv, capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        lines = [line for line in lines if not line.startswith("woodcock: warning:")]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (argv, err)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "l.json").exists()

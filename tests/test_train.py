@@ -188,6 +188,13 @@ def test_bad_conversation_prompts_are_refused_naming_the_turn(tmp_path, messages
         read_prompts(path)
 
 
+def test_an_empty_prompt_is_refused_naming_its_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": ""}\n')
+    with pytest.raises(DrafterError, match="prompts.jsonl:2: expected an object with a non-empty"):
+        read_prompts(path)
+
+
 def test_prompts_may_hold_unicode_line_separators(tmp_path):
     # json.dumps(ensure_ascii=False) writes U+2028 and U+0085 raw; str.splitlines() would cut
     # the record there (real ShareGPT prompts contain them)
@@ -510,6 +517,6 @@ def test_a_target_without_a_decoder_at_model_model_is_refused_as_a_teacher(monke
 
     from woodcock.train import features
 
-    monkeypatch.setattr(features, "load", lambda source: (tiny_target("gemma3"), None))
+    monkeypatch.setattr(features, "load_mlx_target", lambda source: (tiny_target("gemma3"), None))
     with pytest.raises(DrafterError, match=r"no decoder at `model.model` \(mlx_lm.models.gemma3\)"):
         features.TargetRunner("wrapped", (1, 2))

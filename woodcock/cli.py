@@ -312,8 +312,12 @@ def generate(
             text = prompt_file.read_text(encoding="utf-8")
         except OSError as e:
             raise DrafterError(f"{prompt_file}: cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise DrafterError(f"{prompt_file}: not UTF-8 text") from None
     else:
         text = sys.stdin.read() if prompt == "-" else prompt
+    if not text:
+        raise DrafterError(f"{prompt_file or '--prompt'}: the prompt is empty")
 
     def show(segment: str) -> None:
         print(segment, end="", flush=True)

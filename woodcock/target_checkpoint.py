@@ -115,4 +115,11 @@ def load_mlx_target(source: str | Path):
         raise DrafterError(f"{source}: no such target directory (expected an mlx-lm model)")
     if not (path / "config.json").is_file():
         raise DrafterError(f"{path / 'config.json'}: missing; expected an mlx-lm model directory")
-    return load(str(path))
+    read_json_object(path / "config.json")  # an object, or one line saying what it is
+    try:
+        return load(str(path))
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        # mlx-lm's own loader on a damaged model: a truncated weights file, a config it cannot
+        # build the model from; the user's input either way
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise DrafterError(f"{path}: mlx-lm cannot load it: {type(e).__name__}: {detail}") from None

@@ -294,9 +294,7 @@ def _drafting(drafter, k: int, new_rows) -> Callable[[], None]:
     return run
 
 
-def counting_steps(
-    total: int, progress: Callable[[int, int], None] | None
-) -> Callable[[], None]:
+def counting_steps(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None]:
     """An `advance` for work of `total` steps that reports (done, total) to `progress`."""
     done = 0
 
@@ -364,9 +362,7 @@ def _identity(source: str) -> list:
     return [str(path.resolve()), path.stat().st_mtime_ns] if path.exists() else [source]
 
 
-def policy_with_profile(
-    policy: str, session, target: str, drafter: str, *, progress=None
-) -> str:
+def policy_with_profile(policy: str, session, target: str, drafter: str, *, progress=None) -> str:
     """`auto` / `confidence` given without a latency file: with this machine's cached profile for
     the pair (`cached_profile`, measured now, once, if there is none); any other policy as is."""
     if policy not in ("auto", "confidence"):
@@ -393,6 +389,12 @@ def measure_pair(
 
     target, drafter = resolve_pair(target, drafter)
     session = open_session(target, drafter, dtype=dtype, many_heads=True)
+    longest = session.target.context_length
+    if longest is not None and max(contexts) + MAX_VERIFY > longest:
+        raise DrafterError(
+            f"--contexts {max(contexts)}: expected at most {longest - MAX_VERIFY} (the target's"
+            f" context is {longest} tokens, and a verify adds up to {MAX_VERIFY})"
+        )
     drafters = {"full": session.drafter_with_head(None)}
     for size in session.choice.head_sizes:
         drafters[str(size)] = session.drafter_with_head(size)

@@ -41,6 +41,10 @@ TOKEN_EMBEDDING_NAMES = (
 )
 
 
+# Where mlx-lm's model args state the longest context, by family
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
 class _Recorder:
     """Stands in for one decoder layer during a forward: calls it, keeps its input and/or output.
     Attribute reads go to the layer (mlx-lm reads e.g. `use_sliding` off its layers)."""
@@ -181,6 +185,13 @@ class MlxTarget:
                 f"{name}: its KV cache ({', '.join(kinds)}) cannot be rolled back, and"
                 " speculative decoding must drop rejected tokens"
             )
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest context the model's args state, or None."""
+        args = getattr(self.model, "args", None)
+        value = next((getattr(args, n) for n in CONTEXT_FIELDS if getattr(args, n, None)), None)
+        return int(value) if value else None
 
     @property
     def offset(self) -> int:

@@ -24,7 +24,6 @@ from woodcock.runtime.sampling import Sampling, make_logits_processors
 from woodcock.serve.prefix import PrefixPool, kv_caches_only, restore, shared_prefix, snapshot
 from woodcock.serve.request import DEFAULT_MAX_TOKENS, GenerationRequest, ModelFacts
 
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 DEFAULT_PREFIX_CACHE_GB = 1.0
 
 
@@ -71,15 +70,11 @@ class Engine:
             )
 
     def facts(self, model_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ModelFacts:
-        args = getattr(self.session.model, "args", None)
-        context = next(
-            (getattr(args, name) for name in CONTEXT_FIELDS if getattr(args, name, None)), None
-        )
         return ModelFacts(
             model_id,
             self.session.tokenizer,
             self.session.target.vocab_size,
-            int(context) if context else None,
+            self.session.target.context_length,
             default_max_tokens,
         )
 

@@ -69,9 +69,11 @@ def read_prompts(path: Path) -> list[tuple[str, str | list[dict]]]:
     seen: set[str] = set()
     for where, row in jsonl_records(path):
         if not isinstance(row, dict) or not (
-            isinstance(row.get("prompt"), str) or "messages" in row
+            (isinstance(row.get("prompt"), str) and row["prompt"]) or "messages" in row
         ):
-            raise DrafterError(f"{where}: expected an object with a string 'prompt' or 'messages'")
+            raise DrafterError(
+                f"{where}: expected an object with a non-empty string 'prompt' or 'messages'"
+            )
         ident = row.get("id")
         if isinstance(ident, int) and not isinstance(ident, bool):
             ident = str(ident)
@@ -206,6 +208,10 @@ def distill(
         "system": system,
         "decoding": "greedy",
     }
+    if out.exists() and not out.is_dir():
+        raise DrafterError(f"{out}: exists and is not a directory")
+    # the target first: a run that cannot start leaves no folder behind
+    model, tokenizer = load_mlx_target(target)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / META
     if meta_path.exists():
@@ -230,7 +236,6 @@ def distill(
     done = {row["id"] for row in read_answers(out, repair=True)}
     pending = [(ident, prompt) for ident, prompt in prompts if ident not in done]
     report = DistillReport(prompts=len(prompts), skipped=len(prompts) - len(pending))
-    model, tokenizer = load_mlx_target(target)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls have no BLAS path on CPU
     meta["eos_ids"] = sorted(int(t) for t in tokenizer.eos_token_ids)

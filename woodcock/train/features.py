@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm import load
 
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object, write_json
 from woodcock.loading import resolve_source
 from woodcock.runtime.target import MlxTarget, recording
+from woodcock.target_checkpoint import load_mlx_target
 from woodcock.train.options import Progress
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class TargetRunner:
     """An mlx-lm model as the teacher: taps, final hidden state, full-vocabulary argmax."""
 
     def __init__(self, source: str, layer_ids: Sequence[int]):
-        self.model, self.tokenizer = load(str(source))
+        self.model, self.tokenizer = load_mlx_target(source)
         if mx.default_device() == mx.cpu:
             self.model.set_dtype(mx.float32)
         self.layer_ids = tuple(layer_ids)
