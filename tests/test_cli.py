@@ -190,7 +190,12 @@ def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(t
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "x"}\n')
     generate = ["generate", "--drafter", drafter, "--no-chat", "-m", "2"]
+    (tmp_path / "a-file").write_text("kept")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("Paris is the capital of France.\n")
     cases = [
+        (generate + ["--target", str(target), "--prompt", "x", "--stop", ""], "--stop '': expected a non-empty"),
+        (["vocab", "count", str(tmp_path / "corpus"), "--target", str(target), "--out", str(tmp_path / "a-file")], "a-file: File exists"),
         (generate + ["--target", str(truncated), "--prompt", "x"], f"{truncated}: mlx-lm cannot load it"),
         (generate + ["--target", str(listed), "--prompt", "x"], "config.json: expected a JSON object, found list"),
         (generate + ["--target", str(target), "--prompt", ""], "--prompt: the prompt is empty"),

@@ -382,6 +382,8 @@ def test_resume_continues_with_the_same_losses(work, tmp_path):
         T.train(options("cut"))
     with pytest.raises(DrafterError, match="steps"):
         T.train(options("cut", resume=True, steps=11))
+    with pytest.raises(DrafterError, match="with algorithm = 'eagle3', this run asks for 'dspark'"):
+        T.train(options("cut", resume=True, algorithm="dspark", head_size=None))
     resumed = T.train(options("cut", resume=True))
     assert resumed.resumed_from == 4
     assert resumed.losses == whole.losses[4:]  # bit for bit: same batches, same state

@@ -318,6 +318,8 @@ def generate(
         text = sys.stdin.read() if prompt == "-" else prompt
     if not text:
         raise DrafterError(f"{prompt_file or '--prompt'}: the prompt is empty")
+    if stop and not all(stop):
+        raise DrafterError("--stop '': expected a non-empty stop string")
 
     def show(segment: str) -> None:
         print(segment, end="", flush=True)
@@ -645,6 +647,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         if _debug:
             raise
+        if isinstance(e, OSError) and e.filename is not None:  # a path the user gave
+            _fail(f"{e.filename}: {e.strerror}", 2)
         detail = str(e).splitlines()[0] if str(e) else ""
         print(
             f"woodcock: internal error: {type(e).__name__}: {detail} (rerun with --debug for the"

@@ -281,16 +281,13 @@ def _start_or_resume(
             f"--resume: the answers in {opts.data} changed since the checkpoint in {ckpt}"
             " was made (other samples, another split and head); start over with --force"
         )
-    if loaded["recipe"] != state["recipe"]:
-        differing = sorted(
-            k
-            for k in set(loaded["recipe"]) | set(state["recipe"])
-            if loaded["recipe"].get(k) != state["recipe"].get(k)
-        )
-        k = differing[0]
+    # an EAGLE-3 run's recipe names no algorithm (block runs name theirs)
+    theirs, ours = ({"algorithm": "eagle3", **r} for r in (loaded["recipe"], state["recipe"]))
+    if theirs != ours:
+        k = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))[0]
         raise DrafterError(
             f"--resume: the checkpoint in {ckpt} was made with {k} ="
-            f" {loaded['recipe'].get(k)!r}, this run asks for {state['recipe'].get(k)!r}"
+            f" {theirs.get(k)!r}, this run asks for {ours.get(k)!r}"
         )
     load_checkpoint(loaded, run.model, run.optimizer)
     start_step = int(loaded["step"])
