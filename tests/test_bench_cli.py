@@ -33,7 +33,7 @@ def demo(tmp_path_factory):
 
 
 def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
-    out = tmp_path / "latency.json"
+    out = tmp_path / "profiles" / "latency.json"  # a folder made for it
     drafter = f"{demo / 'drafter'}@{demo / 'counts.npz'}:64,128"
     code, stdout, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out), "--contexts", "16,48", "--repeats", "1"], capsys)
     assert code == 0, err
@@ -49,6 +49,10 @@ def test_latency_profile_and_auto_policy(demo, capsys, tmp_path):
     assert stdout.splitlines()[-3].split()[:2] == ["speed-up", "K=1"]
     code, _, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(out)], capsys)
     assert code == 2 and "already exists" in err
+    code, stdout, err = run_cli(["latency", "--target", str(demo / "target"), "--drafter", drafter, "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.strip() == f"woodcock: error: {tmp_path}: is a directory; expected the path of a file to write"
+    assert not stdout  # refused before measuring
+    assert sorted(p.name for p in out.parent.iterdir()) == ["latency.json"]  # nothing left aside
 
     base = ["generate", "--target", str(demo / "target"), "--prompt", "The quick brown", "--max-tokens", "40", "--no-chat", "--json"]
     fixed = json.loads(run_cli(base + ["--drafter", str(demo / "drafter")], capsys)[1])
@@ -90,7 +94,7 @@ def test_auto_policy_needs_a_profile_outside_the_command():
 
 
 def test_bench_table_json_and_chart(demo, capsys, tmp_path):
-    chart = tmp_path / "bench.png"
+    chart = tmp_path / "charts" / "bench.png"  # a folder made for it
     args = ["bench", "--target", str(demo / "target"), "--drafter", str(demo / "drafter"), "--domains", "chat,code", "--prompts", "1", "--max-tokens", "16", "--no-chat"]
     code, out, err = run_cli(args + ["--chart", str(chart)], capsys)
     assert code == 0, err
@@ -102,7 +106,13 @@ def test_bench_table_json_and_chart(demo, capsys, tmp_path):
     for column in ("baseline tok/s", "woodcock tok/s", "speedup", "ideal", "of ideal", "tok/round", "copied", "acceptance by position"):
         assert column in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, err = run_cli(args + ["--json"], capsys)
+    code, out, err = run_cli(args + ["--chart", str(chart)], capsys)
+    assert code == 2 and err.strip() == f"woodcock: error: {chart}: already exists; pass --force to replace it"
+    assert not out  # refused before measuring
+    chart.write_bytes(b"old")
+    code, out, err = run_cli(args + ["--json", "--chart", str(chart), "--force"], capsys)
+    assert code == 0, err
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in chart.parent.iterdir()) == ["bench.png"]
     (run,) = json.loads(out)["runs"]
     assert run["drafter"] == str(demo / "drafter") and run["policy"] == "auto"
     assert [row["domain"] for row in run["rows"]] == ["chat", "code", "all"]

@@ -195,6 +195,8 @@ def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(t
     (tmp_path / "corpus" / "a.txt").write_text("Paris is the capital of France.\n")
     cases = [
         (generate + ["--target", str(target), "--prompt", "x", "--stop", ""], "--stop '': expected a non-empty"),
+        (generate + ["--target", str(target), "--prompt", "x", "--system", "Be brief."], "--system: a system prompt needs the chat template"),
+        (generate + ["--target", str(tmp_path / "a-file"), "--prompt", "x"], "a-file: is a file; expected an mlx-lm model directory"),
         (["vocab", "count", str(tmp_path / "corpus"), "--target", str(target), "--out", str(tmp_path / "a-file")], "a-file: File exists"),
         (generate + ["--target", str(truncated), "--prompt", "x"], f"{truncated}: mlx-lm cannot load it"),
         (generate + ["--target", str(listed), "--prompt", "x"], "config.json: expected a JSON object, found list"),

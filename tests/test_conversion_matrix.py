@@ -257,6 +257,29 @@ def test_a_source_failing_its_sha256_leaves_no_output(tmp_path, capsys, dest_for
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_drafter_with_non_finite_weights_is_refused(tmp_path, capsys, bad):
+    drafter = make(CASES["eagle3-reduced-vocab"][0])
+    weights = dict(drafter.weights)
+    fc = weights["fc.weight"].copy()
+    fc[3, 5] = bad
+    weights["fc.weight"] = fc
+    source = tmp_path / "src"
+    format_named("speculators").write(dataclasses.replace(drafter, weights=weights), source)
+    for dry_run in (False, True):
+        code, out, err = run(
+            ["convert", str(source), str(tmp_path / "out"), "--to", "woodcock"]
+            + ["--dry-run"] * dry_run,
+            capsys,
+        )
+        assert code == 2 and out == "", err
+        assert err.strip() == (
+            f"woodcock: error: {source}: tensor 'fc.weight' holds inf or nan values;"
+            " expected finite weights"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_background_checks_gate_the_staged_output(tmp_path):
     release, ran_in = threading.Event(), []
 

@@ -83,6 +83,8 @@ def test_a_drafter_for_another_target_is_refused(demo_dir, tmp_path, capsys):
     assert "the drafter was built for a target vocab size of 500;" in err and "has 320" in err
     code, _, err = run_cli(["generate", "--target", str(demo_dir / "target"), "--drafter", f"{demo_dir / 'drafter'}@abc", "--prompt", "x"], capsys)
     assert code == 2 and "expected PATH, PATH@N or PATH@COUNTS:N" in err
+    code, _, err = run_cli(["generate", "--target", str(demo_dir / "target"), "--drafter", "ngram@5", "--prompt", "x"], capsys)
+    assert code == 2 and err.strip() == "woodcock: error: --drafter 'ngram@5': prompt lookup (ngram) has no draft head to truncate"
 
 
 def test_stop_strings_cut_the_text_where_plain_decoding_would(demo_dir, capsys):

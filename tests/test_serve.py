@@ -534,7 +534,7 @@ def test_token_bytes_rebuild_characters_split_over_tokens(session):
     text = "Pizza: \U0001f355\U0001f355, d\u00e9j\u00e0 vu"
     tokens = tokenizer.encode(text, add_special_tokens=False)
     assert any(tokenizer.decode([t]) == "\ufffd" for t in tokens)  # part of a character alone
-    assert b"".join(token_bytes(tokenizer, t) for t in tokens) == text.encode("utf-8")
+    assert b"".join(token_bytes(tokenizer, tokens)) == text.encode("utf-8")
 
 
 def test_plain_decoding_keeps_the_penalties_history_over_the_prompt_cache(session):

@@ -286,6 +286,14 @@ def test_vocab_count_jsonl_of_token_ids(target_dir, tmp_path, capsys):
     corpus.write_text(json.dumps([1, 2, vocab]) + "\n")
     code, _, err = run([*argv, "--force"], capsys)
     assert code == 2 and f"ids.jsonl:1: token id {vocab} is outside the target vocabulary" in err
+    for record, message in [
+        ({"token_ids": "1 2 3"}, "ids.jsonl:1: token_ids must be a list of token ids, found str"),
+        ({"text": [1, 2]}, "ids.jsonl:1: text must be a string, found list"),
+        (3, "ids.jsonl:1: expected a list of token ids or a text"),
+    ]:
+        corpus.write_text(json.dumps(record) + "\n")
+        code, _, err = run([*argv, "--force"], capsys)
+        assert code == 2 and err.strip().endswith(message), err
 
 
 @pytest.mark.parametrize(

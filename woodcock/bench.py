@@ -29,6 +29,7 @@ from woodcock.runtime.machine import machine_facts
 from woodcock.runtime.policy import parse_policy
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.session import open_session
+from woodcock.staging import staged_file
 
 # mlx-lm (which loads transformers) and matplotlib (an optional dependency) are imported where
 # they are used: importing this module for its tables or `ideal_seconds` stays light.
@@ -340,13 +341,7 @@ TABLE_NOTES = (
 def write_chart(labelled: Sequence[tuple[str, list[dict]]], path: str) -> None:
     """One PNG: acceptance by draft position over all domains, one line per run, and the speed-up
     by domain, one bar per run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise DrafterError("--chart needs matplotlib: pip install 'woodcock[bench]'") from None
+    plt = _pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(labelled)
     for index, (label, rows) in enumerate(labelled):
@@ -363,8 +358,20 @@ def write_chart(labelled: Sequence[tuple[str, list[dict]]], path: str) -> None:
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(ylabel="speedup vs mlx-lm", title="Speedup by domain")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with staged_file(Path(path)) as temporary:
+        figure.savefig(temporary, dpi=120, format="png")
     plt.close(figure)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DrafterError("--chart needs matplotlib: pip install 'woodcock[bench]'") from None
+    return plt
 
 
 @dataclass(frozen=True)
@@ -439,6 +446,8 @@ def benchmark(
     `prompt_file`), each decoded plainly and then by every drafter, policy and lookup setting
     (both when compare_lookup); a PNG chart too when `chart` names one. measuring: (done, total)
     while a latency profile is measured; progress: (done, total) after each prompt's run."""
+    if chart is not None:
+        _pyplot()  # before the measuring, which a missing matplotlib would waste
     if prompt_file is not None:
         selected = load_prompt_file(prompt_file, domains, limit_per_domain=prompts)
     else:

@@ -15,7 +15,7 @@ from woodcock.cli_options import AllowTf32, DefaultableTarget, MaxTokens, parse_
 from woodcock.default_target import resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.runtime.backend import configure_tf32
-from woodcock.staging import leftovers_message, reporting_removed_leftovers
+from woodcock.staging import check_output_file, leftovers_message, reporting_removed_leftovers
 from woodcock.train.cli import app as training_app
 from woodcock.vocab_count import app as vocab_app
 
@@ -320,6 +320,8 @@ def generate(
         raise DrafterError(f"{prompt_file or '--prompt'}: the prompt is empty")
     if stop and not all(stop):
         raise DrafterError("--stop '': expected a non-empty stop string")
+    if system is not None and not chat:
+        raise DrafterError("--system: a system prompt needs the chat template; drop --no-chat")
 
     def show(segment: str) -> None:
         print(segment, end="", flush=True)
@@ -368,8 +370,7 @@ def latency(
     configure_tf32(allow_tf32)
     from woodcock.runtime.latency import measure_pair, profile_summary
 
-    if out.exists() and not force:
-        raise DrafterError(f"{out}: already exists; pass --force to replace it")
+    check_output_file(out, force=force)
     try:
         lengths = [int(c) for c in contexts.split(",")]
     except ValueError:
@@ -434,6 +435,9 @@ def bench(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     chart: Annotated[Path | None, typer.Option("--chart", help="Write a PNG chart.")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing --chart file.")
+    ] = False,
 ) -> None:
     """Plain mlx-lm greedy decoding against woodcock on the same prompts, interleaved in one
     process (each prompt: plain decoding once, then every drafter, policy and lookup setting
@@ -442,6 +446,9 @@ def bench(
     (exit code 0) or a real difference (exit code 1)."""
     configure_tf32(allow_tf32)
     from woodcock.bench import benchmark
+
+    if chart is not None:
+        check_output_file(chart, force=force)
     from woodcock.runtime.machine import warn_slow_paths
 
     with (

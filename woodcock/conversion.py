@@ -15,7 +15,7 @@ from woodcock.converters.vocab import apply_options
 from woodcock.formats.detect import format_named
 from woodcock.ir import Drafter
 from woodcock.loading import load_drafter_with_format, resolve_source
-from woodcock.staging import checks_in_background, refuse_replacing_inputs
+from woodcock.staging import check, checks_in_background, refuse_replacing_inputs
 from woodcock.target_checkpoint import load_target_tensors, target_from_config
 
 
@@ -69,6 +69,7 @@ def convert(
     with checks_in_background():
         drafter, reader = load_drafter_with_format(source_path, source_format, taps=taps)
         original = drafter
+        check(lambda: original.weights.refuse_non_finite(str(source_path)))
         if target is not None:
             drafter = attach_target(drafter, target_from_config(target))
             if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's

@@ -664,6 +664,9 @@ class VocabMap:
         return self.draft_to_target
 
 
+FINITE_CHECK_SLICE = 1 << 24  # elements
+
+
 class Weights(Mapping[str, np.ndarray]):
     """Read-only name -> array mapping. Arrays are kept as given: views of a memory-mapped file
     stay views, so a multi-gigabyte drafter is never copied just by loading it."""
@@ -702,6 +705,18 @@ class Weights(Mapping[str, np.ndarray]):
                 _fail(f"weights[{name!r}].shape", array.shape, f"{shape} from the spec")
             if dtype_name(array) not in FLOAT_DTYPES:
                 _fail(f"weights[{name!r}].dtype", str(array.dtype), "a floating-point dtype")
+
+    def refuse_non_finite(self, where: str) -> None:
+        """A tensor holding inf or nan is a broken drafter (its acceptance collapses without
+        an error): refused, naming the first. Read in slices, so a memory-mapped drafter is
+        never held in memory twice."""
+        for name, array in self._tensors.items():
+            flat = array.reshape(-1)
+            for start in range(0, flat.size, FINITE_CHECK_SLICE):
+                if not np.isfinite(flat[start : start + FINITE_CHECK_SLICE]).all():
+                    raise DrafterError(
+                        f"{where}: tensor {name!r} holds inf or nan values; expected finite weights"
+                    )
 
     @property
     def dtypes(self) -> dict[str, int]:

@@ -171,6 +171,21 @@ def staged_file(dest: Path) -> Iterator[Path]:
         _release(staging_lock)
 
 
+def check_output_file(dest: Path, *, force: bool) -> None:
+    """Refuse, before any work, a file output that could not be written or would replace one
+    without `force` (written later through `staged_file`, which makes missing folders)."""
+    dest = Path(dest)
+    if dest.is_dir():
+        raise DrafterError(f"{dest}: is a directory; expected the path of a file to write")
+    if (dest.exists() or dest.is_symlink()) and not force:
+        raise DrafterError(f"{dest}: already exists; pass --force to replace it")
+    for parent in dest.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DrafterError(f"{dest}: {parent} is not a directory")
+            break
+
+
 def refuse_replacing_inputs(dest: Path, inputs: Mapping[str, str | Path | None]) -> None:
     """An output directory is replaced whole under --force, so it must not be, or hold, one of
     the command's own inputs (by role: {"source drafter": path}); names that are not local

@@ -111,6 +111,8 @@ def load_mlx_target(source: str | Path):
     from mlx_lm import load
 
     path = resolve_source(source)
+    if path.exists() and not path.is_dir():
+        raise DrafterError(f"{source}: is a file; expected an mlx-lm model directory")
     if not path.is_dir():
         raise DrafterError(f"{source}: no such target directory (expected an mlx-lm model)")
     if not (path / "config.json").is_file():

@@ -234,16 +234,24 @@ def _text_segments(file: Path) -> Iterator[str]:
 
 def _jsonl_segments(file: Path, tokenizer: _Tokenizer) -> Iterator[tuple[str, list[list[int]]]]:
     for where, record in jsonl_records(file):
+        key = None
         if isinstance(record, dict):
-            keys = [k for k in ("input_ids", "token_ids", "text") if k in record]
-            if not keys:
+            key = next((k for k in ("input_ids", "token_ids", "text") if k in record), None)
+            if key is None:
                 raise DrafterError(f"{where}: expected input_ids, token_ids or text")
-            record = record[keys[0]]
-        if isinstance(record, str):
+            record = record[key]
+        if isinstance(record, str) and key in (None, "text"):
             yield where, tokenizer.encode([record])
-        elif isinstance(record, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in record
-        ):
+        elif key != "text" and _is_token_ids(record):
             yield where, [record]
-        else:
+        elif key is None:
             raise DrafterError(f"{where}: expected a list of token ids or a text")
+        else:
+            wanted = "a string" if key == "text" else "a list of token ids"
+            raise DrafterError(f"{where}: {key} must be {wanted}, found {type(record).__name__}")
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    )

@@ -59,36 +59,39 @@ class LoggedText(str):
 def token_logprob(tokenizer, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
     """The entry of `token` from the log-probabilities at its position [V], with the `top`
     most likely tokens."""
-    best: list[tuple[int, str, float]] = []
+    ranked: list[tuple[int, float]] = []
     if top:
         ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
         ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda x: -x[1])
-        best = [(i, tokenizer.decode([i]), token_bytes(tokenizer, i), value) for i, value in ranked]
-    value = logprobs[token].item()
-    return TokenLogprob(
-        token, tokenizer.decode([token]), token_bytes(tokenizer, token), value, best
-    )
+    raw, *best_raw = token_bytes(tokenizer, [token, *(i for i, _ in ranked)])
+    best = [
+        (i, tokenizer.decode([i]), b, value) for (i, value), b in zip(ranked, best_raw, strict=True)
+    ]
+    return TokenLogprob(token, tokenizer.decode([token]), raw, logprobs[token].item(), best)
 
 
-def token_bytes(tokenizer, token: int) -> bytes:
-    """The bytes a token adds to the text: its vocabulary entry read as byte-level BPE (GPT-2's
-    byte alphabet) or SentencePiece (`<0xNN>` byte pieces, `▁` for a space) where the
+def token_bytes(tokenizer, tokens: list[int]) -> list[bytes]:
+    """The bytes each token adds to the text: its vocabulary entry read as byte-level BPE
+    (GPT-2's byte alphabet) or SentencePiece (`<0xNN>` byte pieces, `▁` for a space) where the
     tokenizer's detokenizer is one of those, else the token decoded alone."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-    detokenizer = tokenizer.detokenizer
-    if isinstance(detokenizer, BPEStreamingDetokenizer | SPMStreamingDetokenizer):
-        piece = tokenizer.convert_ids_to_tokens(token)
-        if isinstance(piece, str):
-            if isinstance(detokenizer, BPEStreamingDetokenizer):
-                table = _byte_level_alphabet()
-                return b"".join(
-                    bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece
-                )
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("\u2581", " ").encode("utf-8")
-    return tokenizer.decode([token]).encode("utf-8")
+    detokenizer = tokenizer.detokenizer  # a copy each time it is read
+    byte_level = isinstance(detokenizer, BPEStreamingDetokenizer)
+    sentencepiece = isinstance(detokenizer, SPMStreamingDetokenizer)
+    return [_token_bytes(tokenizer, t, byte_level, sentencepiece) for t in tokens]
+
+
+def _token_bytes(tokenizer, token: int, byte_level: bool, sentencepiece: bool) -> bytes:
+    piece = tokenizer.convert_ids_to_tokens(token) if byte_level or sentencepiece else None
+    if not isinstance(piece, str):
+        return tokenizer.decode([token]).encode("utf-8")
+    if byte_level:
+        table = _byte_level_alphabet()
+        return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from woodcock.errors import DrafterError
 from woodcock.jsonfile import read_json_object
 from woodcock.runtime.backend import describe as describe_backend
 from woodcock.runtime.backend import report as backend_report
+from woodcock.staging import staged_file
 
 # MLX and the modules that load it (machine, session) are imported in the functions that use
 # them: this module (imported by policy.py) stays MLX-free so that OpenBLAS can still be opened
@@ -417,7 +418,8 @@ def measure_pair(
         "dtype": dtype_name,
         **profile,
     }
-    write_profile(out, data)
+    with staged_file(out) as temporary:
+        write_profile(temporary, data)
     warn_slow_paths(facts)
     return data
 

@@ -38,6 +38,10 @@ class DrafterChoice:
         if "@" not in text:
             return cls(text)
         source, _, truncation = text.rpartition("@")
+        if source == "ngram":
+            raise DrafterError(
+                f"--drafter {text!r}: prompt lookup (ngram) has no draft head to truncate"
+            )
         counts, _, sizes = truncation.rpartition(":")
         try:
             head_sizes = tuple(int(size) for size in sizes.split(","))
