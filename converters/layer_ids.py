@@ -8,11 +8,12 @@ layer_output: id i = output of decoder layer i (0-based) = after_layers id i + 1
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import ModuleType
 
 from woodcock.errors import DrafterError
-from woodcock.ir import CANONICAL_LAYER_CONVENTION
+from woodcock.ir import CANONICAL_LAYER_CONVENTION, Drafter, Taps, error_prefix
 
 # canonical id = stored id + offset
 OFFSETS = {CANONICAL_LAYER_CONVENTION: 0, "layer_output": 1}
@@ -50,3 +51,17 @@ def stored_ids(spec, fmt: ModuleType) -> list[int] | None:
     if hasattr(fmt, "stored_taps"):
         return fmt.stored_taps(spec)
     return list(from_canonical(spec.taps.layer_ids, fmt.LAYER_CONVENTION))
+
+
+def retap(drafter: Drafter, layer_ids: Sequence[int]) -> Drafter:
+    """The same weights reading other target layers (canonical ids): the fix for taps recorded
+    in the wrong layer-id convention, which `woodcock doctor` finds. The weights fix how many."""
+    recorded = drafter.spec.taps.layer_ids
+    if len(layer_ids) != len(recorded):
+        raise DrafterError(
+            f"--retap {list(layer_ids)}: expected {len(recorded)} ids (the drafter's weights read"
+            f" {len(recorded)} target layers, recorded as {list(recorded)})"
+        )
+    with error_prefix(f"--retap {list(layer_ids)}: "):
+        spec = dataclasses.replace(drafter.spec, taps=Taps(tuple(layer_ids)))
+    return Drafter(spec, drafter.vocab, drafter.weights)

@@ -13,11 +13,12 @@ from woodcock.ir import Drafter, Head, Target, error_prefix
 
 def attach_target(drafter: Drafter, target: Target) -> Drafter:
     """Record the target's facts (layer count, name, architectures); the sizes the drafter was
-    built for must match, and the tap ids are checked against the layer count."""
+    built for (and its layer count, where recorded) must match, and the tap ids are checked
+    against the layer count."""
     spec = drafter.spec
-    for field in ("hidden_size", "vocab_size"):
+    for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
         mine, theirs = getattr(spec.target, field), getattr(target, field)
-        if mine != theirs:
+        if mine is not None and mine != theirs:
             raise DrafterError(
                 f"target {target.name_or_path}: {field} = {theirs}, but the drafter was built"
                 f" for {mine}"

@@ -105,7 +105,8 @@ def matches(path: Path) -> bool:
 
 
 def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
-    """`taps` (canonical ids) supplies the tap ids when the config lacks them, or replaces them."""
+    """`taps` (canonical ids) supplies the tap ids when the config lacks them; where it has
+    them, the two must agree."""
     path = Path(path)
     config_path = path / "config.json"
     config = read_json_object(config_path)
@@ -345,9 +346,9 @@ def _tap_ids(stored: Any, override: Sequence[int] | None, algorithm_name: str) -
         if algorithm_name == "eagle3"
         else "aux_hidden_state_layer_ids"
     )
-    if override is not None:
-        return tuple(override)
     if not stored:
+        if override is not None:
+            return tuple(override)
         raise DrafterError(
             f"{key} = {stored!r}: the tapped target layers are not recorded; pass them with"
             " --taps (canonical ids: residual stream after L layers)"
@@ -356,7 +357,13 @@ def _tap_ids(stored: Any, override: Sequence[int] | None, algorithm_name: str) -
         raise DrafterError(f"{key} = {stored!r}: expected a list of layer ids")
     if len(set(stored)) != len(stored):
         raise DrafterError(f"{key} = {stored!r}: repeated layer ids")
-    return tuple(sorted(stored))  # the states are concatenated in ascending layer order
+    ids = tuple(sorted(stored))  # the states are concatenated in ascending layer order
+    if override is not None and tuple(override) != ids:
+        raise DrafterError(
+            f"{key} = {stored!r}; --taps {list(override)} disagrees (--retap replaces recorded"
+            " taps)"
+        )
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------

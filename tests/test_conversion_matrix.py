@@ -6,6 +6,7 @@ line saying why, and nothing is written."""
 
 import dataclasses
 import json
+import shutil
 import threading
 
 import numpy as np
@@ -315,6 +316,53 @@ def test_block_formats_need_the_target_layer_count(tmp_path, capsys, target_dir)
     config = json.loads((dest / "config.json").read_text())
     assert config["num_target_layers"] == TARGET_LAYERS
     assert load_drafter(dest).spec.head == Head(lm_head="shared", embedding="shared")
+
+
+def test_a_target_of_another_shape_is_refused(tmp_path, capsys, target_dir):
+    """--target must be the target the drafter was built for: sizes, and the layer count where
+    the source records it (speculators does not: the target's is recorded)."""
+    drafter = make(CASES["eagle3-reduced-vocab"][0])
+    assert drafter.spec.target.num_hidden_layers == TARGET_LAYERS
+    source, unrecorded = tmp_path / "src", tmp_path / "speculators"
+    format_named("woodcock").write(drafter, source)
+    format_named("speculators").write(drafter, unrecorded)
+    config = json.loads((target_dir / "config.json").read_text())
+    for field, value in (("num_hidden_layers", 12), ("hidden_size", 2 * H)):
+        other = tmp_path / f"other-{field}"
+        shutil.copytree(target_dir, other)
+        (other / "config.json").write_text(json.dumps({**config, field: value}))
+        code, out, err = run(
+            [
+                "convert",
+                str(source),
+                str(tmp_path / "out"),
+                "--to",
+                "woodcock",
+                "--target",
+                str(other),
+            ],
+            capsys,
+        )
+        recorded = getattr(drafter.spec.target, field)
+        assert code == 2 and err.strip() == (
+            f"woodcock: error: target {other}: {field} = {value}, but the drafter was built for"
+            f" {recorded}"
+        ), err
+        assert not (tmp_path / "out").exists()
+    code, _, err = run(
+        [
+            "convert",
+            str(unrecorded),
+            str(tmp_path / "out"),
+            "--to",
+            "woodcock",
+            "--target",
+            str(other.parent / "other-num_hidden_layers"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert load_drafter(tmp_path / "out").spec.target.num_hidden_layers == 12
 
 
 def test_taps_other_than_safeailabs_are_refused(tmp_path):

@@ -21,6 +21,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from woodcock import doctor
 from woodcock.demo import bigram_drafter, write_tiny_target
@@ -183,7 +184,7 @@ def test_shifted_taps_are_found_and_ranked_first(pair):
     first = report["likely_causes"][0]
     assert first["variant"] == "taps-1"
     assert first["variant_step1_agreement"] > 0.5
-    assert "--taps 1,2,3" in first["test"]
+    assert "--retap 1,2,3" in first["test"]
 
 
 def test_a_dropped_tap_norm_is_found(pair):
@@ -241,9 +242,28 @@ def test_taps_the_target_cannot_have_are_refused(pair):
         _diagnose(pair, "correct", taps=(1, 2, 9))
 
 
-def test_the_taps_option_tests_a_suspected_shift(pair):
-    report = _diagnose(pair, "shifted_taps", taps=(1, 2, 3))
+def test_the_retap_option_tests_a_suspected_shift(pair):
+    report = _diagnose(pair, "shifted_taps", retap=(1, 2, 3))
     assert report["healthy"], report["findings"]
+
+
+@pytest.mark.parametrize("fmt", ["woodcock", "speculators"])
+def test_the_fix_doctor_prints_for_shifted_taps_works(pair, tmp_path, capsys, fmt):
+    """The commands doctor prints, run as printed, on the shifted drafter in formats that record
+    its taps (each refuses a --taps that disagrees)."""
+    from woodcock.formats.detect import format_named
+    from woodcock.loading import load_drafter
+
+    source = tmp_path / fmt
+    format_named(fmt).write(load_drafter(pair / "shifted_taps"), source)
+    report = _diagnose(pair, source)
+    test, fix = report["likely_causes"][0]["test"].split(" (")[0].split("; to fix: ")
+    fixed = tmp_path / "fixed"
+    assert run_cli(test.split()[1:], capsys)[0] == 0
+    code, _, err = run_cli(fix.replace("OUT", str(fixed)).split()[1:], capsys)
+    assert code == 0, err
+    assert load_drafter(fixed).spec.taps.layer_ids == (1, 2, 3)
+    assert _diagnose(pair, fixed)["healthy"]
 
 
 def test_a_drafter_that_cannot_be_read_is_a_drafter_error(pair, tmp_path):

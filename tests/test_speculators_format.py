@@ -367,7 +367,7 @@ def make_target(path: Path, spec, tie: bool) -> dict:
     write_safetensors(path / "model.safetensors", tensors)
     config = {
         "architectures": ["Qwen3ForCausalLM"],
-        "num_hidden_layers": 6,
+        "num_hidden_layers": spec.target.num_hidden_layers or 6,
         "hidden_size": hidden,
         "vocab_size": vocab,
         "tie_word_embeddings": tie,

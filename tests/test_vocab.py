@@ -266,6 +266,19 @@ def test_vocab_count_text_directory(target_dir, corpus_dir, tmp_path, capsys):
     assert (out / "vocab_counts.npz").read_bytes() == first
 
 
+@pytest.mark.parametrize("character", ["a", "\u20ac"])  # 1 and 3 bytes in UTF-8
+def test_text_segments_are_cut_at_64_kib_of_utf8(tmp_path, character):
+    from woodcock.vocab_count import SEGMENT_BYTES, _text_segments
+
+    line = character * (99 // len(character.encode())) + "\n"  # 100 bytes
+    text = line * 2000
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    segments = list(_text_segments(tmp_path / "t.txt"))
+    assert "".join(segments) == text
+    assert len(segments) == 4
+    assert all(len(s.encode()) <= SEGMENT_BYTES for s in segments)
+
+
 def test_vocab_count_jsonl_of_token_ids(target_dir, tmp_path, capsys):
     rng = np.random.default_rng(0)
     lines = [rng.integers(0, 50, rng.integers(1, 30)).tolist() for _ in range(40)]

@@ -111,6 +111,14 @@ def convert(
             " sources that do not record them.",
         ),
     ] = None,
+    retap: Annotated[
+        str | None,
+        typer.Option(
+            "--retap",
+            help="Replace the recorded taps (canonical ids), as many as the drafter reads: to"
+            " undo a layer-id convention error that `woodcock doctor` found.",
+        ),
+    ] = None,
     truncate_vocab: Annotated[
         int | None,
         typer.Option(
@@ -156,6 +164,7 @@ def convert(
         target=target,
         dtype=dtype,
         taps=parse_taps(taps),
+        retap=parse_taps(retap, "--retap"),
         truncate_vocab=truncate_vocab,
         counts=counts,
         expand_vocab=expand_vocab,
@@ -208,9 +217,15 @@ def doctor(
     taps: Annotated[
         str | None,
         typer.Option(
-            "--taps",
-            help="Canonical tap ids to use instead of the drafter's own (tests a suspected"
-            " off-by-one before re-converting).",
+            "--taps", help="Canonical tap ids, for formats that do not record them (SafeAILab)."
+        ),
+    ] = None,
+    retap: Annotated[
+        str | None,
+        typer.Option(
+            "--retap",
+            help="Canonical tap ids to use instead of the recorded ones (tests a suspected"
+            " off-by-one before `convert --retap`).",
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
@@ -227,7 +242,11 @@ def doctor(
     target, drafter = resolve_pair(target, drafter)
     with Console(stderr=True).status("doctor") as status:
         report = diagnose(
-            target, drafter, taps=parse_taps(taps), progress=lambda step: status.update(step)
+            target,
+            drafter,
+            taps=parse_taps(taps),
+            retap=parse_taps(retap, "--retap"),
+            progress=lambda step: status.update(step),
         )
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
     if report["exit_code"]:

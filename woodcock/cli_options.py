@@ -29,7 +29,7 @@ AllowTf32 = Annotated[
 ]
 
 
-def parse_taps(text: str | None) -> tuple[int, ...] | None:
+def parse_taps(text: str | None, option: str = "--taps") -> tuple[int, ...] | None:
     """`--taps 2,18,33`: canonical layer ids."""
     if text is None:
         return None
@@ -37,5 +37,5 @@ def parse_taps(text: str | None) -> tuple[int, ...] | None:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise DrafterError(
-            f"--taps {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
+            f"{option} {text!r}: expected comma-separated layer ids, e.g. 2,18,33"
         ) from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from woodcock.convert_plan import plan as dry_run_plan
+from woodcock.converters import layer_ids
 from woodcock.converters.dtype import cast
 from woodcock.converters.target_binding import attach_target, fill_shared, rename_target
 from woodcock.converters.vocab import apply_options
@@ -51,6 +52,7 @@ def convert(
     target: str | None = None,
     dtype: str | None = None,
     taps: Sequence[int] | None = None,
+    retap: Sequence[int] | None = None,
     truncate_vocab: int | None = None,
     counts: str | None = None,
     expand_vocab: bool = False,
@@ -70,6 +72,8 @@ def convert(
         drafter, reader = load_drafter_with_format(source_path, source_format, taps=taps)
         original = drafter
         check(lambda: original.weights.refuse_non_finite(str(source_path)))
+        if retap is not None:
+            drafter = layer_ids.retap(drafter, retap)
         if target is not None:
             drafter = attach_target(drafter, target_from_config(target))
             if not getattr(writer, "SHARES_HEAD", False):  # formats that always use the target's

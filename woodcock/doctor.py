@@ -27,10 +27,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from woodcock.converters import layer_ids
 from woodcock.default_target import default_target_path
 from woodcock.errors import DrafterError
 from woodcock.formats.hf_config import read_rope
-from woodcock.ir import Drafter, DrafterSpec, Eagle3, Taps, VocabMap, Weights
+from woodcock.ir import Drafter, DrafterSpec, Eagle3, VocabMap, Weights
 from woodcock.jsonfile import read_json_object
 from woodcock.loading import load_drafter_with_format, resolve_source
 from woodcock.runtime.backend import describe as describe_backend
@@ -79,21 +80,22 @@ def diagnose(
     drafter: str,
     *,
     taps: Sequence[int] | None = None,
+    retap: Sequence[int] | None = None,
     prompts: Sequence[str] = PROMPTS,
     answer_tokens: int = ANSWER_TOKENS,
     steps: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The doctor's report on `drafter` (directory or id) for `target` (mlx-lm directory or id;
-    None: the default target). taps: canonical ids to use instead of the drafter's own (to test
-    a suspected off-by-one before re-converting). Raises DrafterError when either cannot be
-    loaded at all."""
+    None: the default target). taps: canonical ids for a format that does not record them;
+    retap: canonical ids to use instead of the recorded ones (to test a suspected off-by-one
+    before `convert --retap`). Raises DrafterError when either cannot be loaded at all."""
     say = progress or (lambda _: None)
     if target is None:
         target = str(default_target_path())
-    ir, fmt = load_drafter_with_format(drafter)
-    if taps is not None:
-        ir = _with_taps(ir, tuple(taps))
+    ir, fmt = load_drafter_with_format(drafter, taps=taps)
+    if retap is not None:
+        ir = layer_ids.retap(ir, retap)
     target_dir = resolve_source(target)
     say("loading the target")
     model, tokenizer = load_mlx_target(target_dir)
@@ -523,11 +525,6 @@ def measure_agreement(ir: Drafter, shared: dict, states: Sequence[dict], steps: 
 # What went wrong
 
 
-def _with_taps(ir: Drafter, ids: tuple[int, ...]) -> Drafter:
-    spec = dataclasses.replace(ir.spec, taps=Taps(ids))
-    return Drafter(spec, ir.vocab, ir.weights)
-
-
 def _variants(ir: Drafter, shared: dict, layers: int, head: dict) -> dict[str, Drafter]:
     """In-memory variants, each undoing one usual conversion mistake."""
     spec, variants = ir.spec, {}
@@ -535,7 +532,7 @@ def _variants(ir: Drafter, shared: dict, layers: int, head: dict) -> dict[str, D
     for shift in (-1, 1):
         moved = tuple(i + shift for i in ids)
         if all(0 <= i <= layers for i in moved):
-            variants[f"taps{shift:+d}"] = _with_taps(ir, moved)
+            variants[f"taps{shift:+d}"] = layer_ids.retap(ir, moved)
     if isinstance(spec.algorithm, Eagle3):
         for flag in ("norm_before_residual", "norm_output"):
             flipped = dataclasses.replace(
@@ -623,8 +620,8 @@ def _ranked_causes(
         moved_text = ",".join(map(str, moved))
         add(
             f"layer-id convention off by one (taps {ids} should be {moved})",
-            f"woodcock doctor{t} --drafter {drafter} --taps {moved_text}; to fix, re-convert"
-            f" from the source: woodcock convert SRC OUT --to woodcock --taps {moved_text}"
+            f"woodcock doctor{t} --drafter {drafter} --retap {moved_text}; to fix:"
+            f" woodcock convert {drafter} OUT --to woodcock --retap {moved_text}"
             " (SpecForge, z-lab and DeepSpec store 'output of layer i', canonical i+1)",
             variant=f"taps{shift:+d}",
         )

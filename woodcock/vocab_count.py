@@ -223,11 +223,12 @@ def _text_segments(file: Path) -> Iterator[str]:
     segment: list[str] = []
     size = 0
     for line in text.splitlines(keepends=True):
-        if segment and size + len(line) > SEGMENT_BYTES:
+        length = len(line.encode("utf-8"))
+        if segment and size + length > SEGMENT_BYTES:
             yield "".join(segment)
             segment, size = [], 0
         segment.append(line)
-        size += len(line)
+        size += length
     if segment:
         yield "".join(segment)
 
