@@ -164,6 +164,60 @@ def test_confidence_policy_verifies_a_confident_prefix_and_stays_exact(tmp_path)
     assert costly.best_length([0.3] * 8, 64, verify_only=True) == 0
 
 
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_a_sampled_confidence_round_cuts_only_by_confidences_that_do_not_read_the_drafts(
+    tmp_path, with_markov
+):
+    """A confidence head reading the Markov features computes slot j's confidence from draft
+    j-1, so a cut by it would depend on the drafts drawn: sampling, such a drafter's rounds
+    verify the whole block; a head reading the hidden states alone keeps its cut."""
+    model = sampling_target()
+    spec = block_spec(
+        model,
+        "dspark",
+        taps=(1,),
+        block_size=4,
+        mask_token_id=11,
+        markov_rank=4,
+        confidence_head=True,
+        confidence_head_with_markov=with_markov,
+    )
+    drafter = random_drafter(spec, seed=9)
+    weights = dict(drafter.weights)  # confidences spread from near 0 to near 1
+    weights["confidence_head.proj.weight"] = weights["confidence_head.proj.weight"] * 8
+    drafter = dataclasses.replace(drafter, weights=weights)
+    target = MlxTarget(model, [1])
+    runtime = BlockDrafter(drafter, target.shared_tensors())
+    assert runtime.confidence_reads_drafts == with_markov
+    # a row more costs nearly what the first does, the rows after it next to nothing: the
+    # whole block is verified where the confidences are high, else none of it
+    write_profile(
+        tmp_path / "latency.json",
+        {
+            "draft_kind": "block",
+            "verify_seconds": {"64": [1.0, 1.88, 1.885] + [1.89 + 0.02 * k for k in range(13)]},
+            "draft_seconds": {"full": [0.001]},
+        },
+    )
+    profile = LatencyProfile.load(tmp_path / "latency.json")
+    stats = Stats()
+    for seed in range(40):
+        mx.random.seed(seed)
+        generate_tokens(
+            [3, 1],
+            target,
+            runtime,
+            max_tokens=8,
+            stats=stats,
+            sampling=Sampling(temperature=1.0),
+            policy=ConfidencePolicy(profile, runtime.num_drafts),
+        )
+    if with_markov:
+        assert set(stats.drafted) == {runtime.num_drafts}
+    else:
+        assert len(set(stats.drafted)) > 1
+
+
 def test_prompt_lookup_between_block_rounds_stays_exact(tmp_path):
     from woodcock.runtime.ngram import PromptLookup
 

@@ -59,6 +59,10 @@ class MarkovDrafter:
     """q(next | previous draft token) from a fixed random table: a drafter that disagrees with
     the target a lot, sampled exactly as the loop asks."""
 
+    num_drafts = None
+    last_confidence = None
+    confidence_reads_drafts = False
+
     def __init__(self, vocab, seed=0, scale=3.0, head_ids=None):
         rng = np.random.default_rng(seed)
         self.head_ids = np.arange(vocab) if head_ids is None else np.asarray(head_ids)
@@ -363,6 +367,49 @@ def test_sampling_reproduces_the_target_distribution(sampling):
     # the same test catches sampling from the drafter instead of the target
     drafter_q = np.array(sampling.probabilities(MarkovDrafter(12, seed=11).table[prompt[-1]]))
     assert chi_square_exceeds(first, drafter_q) or np.allclose(drafter_q, first_p, atol=0.05)
+
+
+def test_sampled_rounds_of_auto_verify_every_draft_and_follow_the_target(tmp_path):
+    """auto cuts the drafts by the drafter's probability of each, which a sampled round must not:
+    verifying a draft only where the drafter found it likely skews the output towards the
+    drafter (the acceptance rule is exact only where whether a draft is verified is settled
+    before it is drawn). Here a draft is kept by the cut only where the drafter gives it more
+    than about 0.25, which moves the second token's distribution by 0.05 in total variation."""
+    from woodcock.runtime.latency import LatencyProfile, write_profile
+    from woodcock.runtime.policy import AutoPolicy
+
+    write_profile(
+        tmp_path / "latency.json",
+        {
+            "draft_kind": "chain",
+            "verify_seconds": {"64": [1.0 + 0.5 * k for k in range(16)]},
+            "draft_seconds": {"full": [0.001 * k for k in range(1, 8)]},
+        },
+    )
+    profile = LatencyProfile.load(tmp_path / "latency.json")
+    model = sampling_target()
+    target = MlxTarget(model, [1])
+    sampling = Sampling(temperature=1.0)
+    prompt = [4, 7, 4, 7]
+    _, second_p = exact_marginals(model, prompt, sampling, 2)
+    second, drafted = np.zeros(12), []
+    for seed in range(1500):
+        mx.random.seed(seed)
+        policy = AutoPolicy(profile, max_length=1, prior=[0.99], strength=1e6)
+        stats = Stats()
+        tokens = generate_tokens(
+            prompt,
+            target,
+            MarkovDrafter(12, seed=11),
+            max_tokens=2,
+            policy=policy,
+            sampling=sampling,
+            stats=stats,
+        )
+        second[tokens[1]] += 1
+        drafted += stats.drafted
+    assert set(drafted) == {1}  # every round drafted one token and verified it
+    assert not chi_square_exceeds(second, second_p)
 
 
 def test_a_sampled_plain_decoding_round_follows_the_target():

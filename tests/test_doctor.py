@@ -239,7 +239,9 @@ def test_taps_the_target_cannot_have_are_refused(pair):
     from woodcock.errors import DrafterError
 
     with pytest.raises(DrafterError, match="taps.layer_ids"):
-        _diagnose(pair, "correct", taps=(1, 2, 9))
+        _diagnose(pair, "correct", retap=(1, 2, 9))
+    with pytest.raises(DrafterError, match=r"records taps \[1, 2, 3\]; --taps \[1, 2, 4\]"):
+        _diagnose(pair, "correct", taps=(1, 2, 4))  # --taps supplies, never replaces
 
 
 def test_the_retap_option_tests_a_suspected_shift(pair):

@@ -46,6 +46,15 @@ SETTINGS = {
         "frequency_context_size": 30,
     },
 }
+# a context size of 0 is the whole history (mlx-lm slices tokens[-0:])
+WHOLE_HISTORY = {
+    "whole-history": {
+        "repetition_penalty": 1.8,
+        "repetition_context_size": 0,
+        "frequency_penalty": 0.9,
+        "frequency_context_size": 0,
+    }
+}
 PROMPTS = [[1, 2, 3], [7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [5, 9, 5, 9, 5, 9, 5]]
 
 
@@ -105,10 +114,11 @@ def demo(tmp_path_factory):
     return path, model, tokenizer
 
 
-@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("name", [*SETTINGS, *WHOLE_HISTORY])
 def test_the_processors_are_mlx_lms_for_one_row_and_for_all_rows(name):
     rng = np.random.default_rng(0)
-    ours, theirs = make_logits_processors(**SETTINGS[name]), mlx_lm_processors(**SETTINGS[name])
+    settings = {**SETTINGS, **WHOLE_HISTORY}[name]
+    ours, theirs = make_logits_processors(**settings), mlx_lm_processors(**settings)
     assert len(ours) == len(theirs)
     for history_length, k in ((1, 0), (3, 4), (12, 7), (40, 6)):
         history = rng.integers(0, 8, history_length).tolist()  # few ids: many repeats
@@ -133,9 +143,11 @@ def test_the_processors_are_mlx_lms_for_one_row_and_for_all_rows(name):
         assert np.array_equal(np.array(logits), given)  # the caller's logits are left alone
 
 
-def test_the_repetition_penalty_refuses_a_negative_factor():
+def test_the_repetition_penalty_refuses_a_negative_factor_or_window():
     with pytest.raises(ValueError, match="non-negative"):
         HistoryPenalty("repetition", -1.0)
+    with pytest.raises(ValueError, match="context_size must be at least 0"):
+        HistoryPenalty("presence", 1.0, context_size=-2)
 
 
 @pytest.mark.parametrize("name", SETTINGS)

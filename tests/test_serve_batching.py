@@ -117,6 +117,52 @@ def test_seeded_sampling_draws_the_same_alone_and_batched(server):
     assert at_once([lambda p=p: sampled(p, 7) for p in PROMPTS[:3]]) == alone
 
 
+def batched_results(engine, requests):
+    """Each request's Generation, all admitted into one batch of their number."""
+    batcher, loop = Batcher(engine, len(requests)), asyncio.new_event_loop()
+    try:
+        jobs, results = [Job(r, loop) for r in requests], {}
+        for job in jobs:
+            if (result := batcher.admit(job)) is not None:
+                results[id(job)] = result
+        while batcher.running:
+            for job, result in batcher.round():
+                results[id(job)] = result
+        return [results[id(job)] for job in jobs]
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("policy", ["fixed:8", "auto"])
+def test_a_seeded_request_draws_the_same_alone_batched_and_sent_again(session, tmp_path, policy):
+    """Its draws follow its draft lengths: those must depend on the request alone, not on a
+    batch's cut of long proposals (fixed:8) or on what auto learned from earlier requests."""
+    from woodcock.runtime.latency import write_profile
+
+    if policy == "auto":
+        write_profile(
+            tmp_path / "latency.json",
+            {
+                "draft_kind": "chain",
+                "verify_seconds": {"64": [0.01 + 0.001 * k for k in range(16)]},
+                "draft_seconds": {"full": [0.001 * k for k in range(1, 9)]},
+            },
+        )
+        policy = f"auto:{tmp_path / 'latency.json'}"
+    engine = Engine(session, policy, prefix_cache=False)
+    ids = [session.tokenizer.encode(p) for p in PROMPTS[:2]]
+
+    def seeded():
+        return GenerationRequest("completions", ids[0], 40, temperature=0.7, seed=3)
+
+    alone = engine.run(seeded()).tokens
+    assert engine.run(seeded()).tokens == alone
+    batched, _ = batched_results(engine, [seeded(), GenerationRequest("completions", ids[1], 40)])
+    assert batched.tokens == alone
+    if policy == "fixed:8":
+        assert max(batched.stats.drafted) > 5  # longer than a batch's proposals are cut to
+
+
 def completion_with(server, prompt, **fields):
     answer = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=24, **fields)
     return answer.choices[0].text
@@ -160,6 +206,20 @@ def test_plain_decoding_batches_too(session):
         assert all(results[id(job)].stats.drafted == [0] * results[id(job)].stats.rounds for job in jobs)
     finally:
         loop.close()
+
+
+def test_the_queue_bound_counts_only_requests_beyond_the_free_slots():
+    """Arrivals wait in the worker's queue until it reaches them (between rounds), those a free
+    slot will take included: only the ones beyond the slots count against --queue-size."""
+    from woodcock.serve.worker import GenerationWorker
+
+    worker = GenerationWorker(lambda: None, queue_size=1, max_batch=4)
+    assert [worker.submit(object()) for _ in range(6)] == [True] * 5 + [False]
+    worker = GenerationWorker(lambda: None, queue_size=1, max_batch=4)
+    worker.running = [object()] * 3
+    assert [worker.submit(object()) for _ in range(3)] == [True, True, False]
+    worker = GenerationWorker(lambda: None, queue_size=2, max_batch=1)  # one at a time
+    assert [worker.submit(object()) for _ in range(4)] == [True] * 3 + [False]
 
 
 def test_max_batch_must_be_at_least_one(demo):

@@ -171,6 +171,13 @@ class BlockDrafter:
                 fast["conf_e"] = mx.contiguous(proj.weight[0, h:])
             fast["conf_b"] = proj.bias
             del model.confidence_head
+        # slot j's confidence reads draft j-1's Markov embedding
+        self.confidence_reads_drafts = bool(
+            isinstance(algorithm, DSpark)
+            and algorithm.confidence_head
+            and algorithm.confidence_head_with_markov
+            and algorithm.markov_rank
+        )
         if mx.default_device().type == mx.cpu:
             model.fc = TransposedLinear(model.fc)
             for layer in model.layers:

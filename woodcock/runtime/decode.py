@@ -45,6 +45,7 @@ class RuntimeDrafter(Protocol):
     head_target_ids: mx.array  # [Vh] target id of each draft-head row
     num_drafts: int | None  # a block drafter's drafts per pass; None for chain drafters
     last_confidence: mx.array | None  # [d] the last proposal's confidence, where it has a head
+    confidence_reads_drafts: bool  # that confidence is computed from the drafts before it
 
     def reset(self) -> None: ...
 
@@ -66,6 +67,8 @@ class DraftPolicy(Protocol):
     def verify_length(
         self, context: int, draft_probs: np.ndarray, confidence: np.ndarray | None
     ) -> int: ...
+
+    def cut_reads_drafts(self, drafter: RuntimeDrafter) -> bool: ...  # then greedy only
 
     def copy_length(self, context: int, proposed: int) -> int: ...
 
@@ -283,6 +286,11 @@ class SpeculativeSequence:
     ):
         self.prompt, self.target, self.drafter, self.lookup = list(prompt), target, drafter, lookup
         self.policy, self.sampling, self.logprobs = policy, sampling, logprobs
+        # whether the policy cuts the drafts by their scores (woodcock.runtime.policy: not
+        # when sampling, where the scores depend on the drafts drawn)
+        self._cuts = policy.needs_scores and (
+            sampling.greedy or not policy.cut_reads_drafts(drafter)
+        )
         self.stats = stats if stats is not None else Stats()
         self.rows = target  # what holds the target's rows of this sequence (offset, rollback)
         self._processors = list(logits_processors)
@@ -398,7 +406,7 @@ class SpeculativeSequence:
         if copy or not d:
             return ()
         scores: tuple[mx.array, ...] = ()
-        if self.policy.needs_scores:
+        if self._cuts:
             chosen = self.drafter.head_target_ids[None, :] == drafts[:, None]  # [d, Vh]
             probs = (mx.softmax(draft_logits.astype(mx.float32), axis=-1) * chosen).sum(axis=-1)
             confidence = self.drafter.last_confidence
@@ -428,7 +436,7 @@ class SpeculativeSequence:
             copied: list[int] = []
             if reads:
                 drafted = reads[0].tolist()
-                if policy.needs_scores:
+                if self._cuts:
                     confidence = np.array(reads[2]) if len(reads) > 2 else None
                     keep = policy.verify_length(context, np.array(reads[1]), confidence)
                     drafts, draft_logits = drafts[:keep], draft_logits[:keep]

@@ -169,6 +169,7 @@ class Eagle3Drafter:
 
     num_drafts = None  # a chain: any length
     last_confidence = None  # no confidence head
+    confidence_reads_drafts = False
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ class NgramDrafter:
 
     num_drafts = None  # a chain: any length
     last_confidence = None  # no confidence head
+    confidence_reads_drafts = False
 
     def __init__(self, vocab_size: int, *, max_ngram: int = 3, min_ngram: int = 1):
         if vocab_size < 1:

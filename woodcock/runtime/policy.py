@@ -12,6 +12,14 @@ auto:FILE            choose K before each round from acceptance by position, dra
 Both adaptive policies may choose 0: a plain decoding step, when the profile says that no draft
 (or no verified prefix) is expected to be faster than decoding one token.
 
+When sampling, a cut by scores that depend on the drafts themselves is not made: the acceptance
+rule yields the target's distribution only where whether a draft is verified is settled before
+it is drawn, and a cut chosen from the drafts' own probabilities (auto), or from confidences
+computed from the drafts (a DSpark confidence head reading the Markov features), verifies the
+likely drafts more often than the unlikely ones. A sampled round of auto verifies every draft
+its draft length asked for; confidence keeps its cut where the head reads the hidden states
+alone (`cut_reads_drafts`).
+
 Rounds that copy from the context (prompt lookup, `woodcock.runtime.ngram.PromptLookup`) ask
 `copy_length` how many of the proposed copy to verify (0: draft instead) and report back through
 `observe_copy`; a copy proposed after the drafter's drafts asks `extension_length` and reports
@@ -50,6 +58,9 @@ class FixedPolicy:
     ) -> int:
         return len(draft_probs)
 
+    def cut_reads_drafts(self, drafter) -> bool:
+        return False
+
     def observe(self, verified: int, accepted: int) -> None:
         pass
 
@@ -84,6 +95,9 @@ class ConfidencePolicy:
         if confidence is None:
             raise DrafterError("--policy confidence: the drafter has no confidence head")
         return self.profile.best_length(list(confidence), context, verify_only=True)
+
+    def cut_reads_drafts(self, drafter) -> bool:
+        return drafter.confidence_reads_drafts
 
     def observe(self, verified: int, accepted: int) -> None:
         pass
@@ -199,6 +213,9 @@ class AutoPolicy:
         drawn = self.acceptance() if self._drawn is None else self._drawn
         estimate = np.sqrt(np.array(drawn[: len(draft_probs)]) * draft_probs)
         return self.profile.best_length(list(estimate), context, verify_only=True)
+
+    def cut_reads_drafts(self, drafter) -> bool:
+        return True
 
     def observe(self, verified: int, accepted: int) -> None:
         self.drafts.observe(verified, accepted)

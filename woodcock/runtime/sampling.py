@@ -116,6 +116,8 @@ class HistoryPenalty:
             raise ValueError(f"penalty kind {kind!r}: expected one of {', '.join(self.KINDS)}")
         if kind == "repetition" and penalty < 0:
             raise ValueError(f"penalty must be a non-negative float, got {penalty}")
+        if context_size < 0:
+            raise ValueError(f"context_size must be at least 0, got {context_size}")
         self.kind, self.penalty, self.context_size = kind, penalty, context_size
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -126,10 +128,10 @@ class HistoryPenalty:
 
     def rows(self, history: list[int], proposed: list[int], logits: mx.array) -> mx.array:
         """logits [k+1, V], row i at the position after history + proposed[:i]."""
-        recent = history[-self.context_size :]
+        recent = history[-self.context_size :]  # 0: all of it, as mlx-lm slices
         tokens = np.array(recent + proposed, np.int32)
         ends = len(recent) + np.arange(len(proposed) + 1)
-        starts = np.maximum(ends - self.context_size, 0)
+        starts = np.maximum(ends - self.context_size, 0) if self.context_size else 0 * ends
         rows = np.repeat(np.arange(len(ends), dtype=np.int32), ends - starts)
         columns = np.concatenate([tokens[s:e] for s, e in zip(starts, ends, strict=True)])
         if not len(columns):

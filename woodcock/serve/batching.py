@@ -47,7 +47,8 @@ class DraftingChoice:
     wins; on a few CPU cores a batch's rows cost what one request's many rows cost, and plain
     steps may win (default pair, 4 requests, 2 vCPU: 44.6 tokens/s plain, 36-38 drafting). A
     request alone drafts as the policy says, and so does a batch holding a sampled request with
-    a seed (speculative and plain steps draw different random numbers)."""
+    a seed, uncut (speculative and plain steps, and drafts of other lengths, draw different
+    random numbers)."""
 
     def __init__(self, explore: int = 10, weight: float = 0.2):
         self.explore, self.weight = explore, weight
@@ -97,8 +98,6 @@ class Batcher:
         self.engine, self.session = engine, engine.session
         self.batch = SequenceBatch(self.session.target, max_batch)
         self.running: list[Running] = []
-        # plain decoding (no drafter) batches too: a sequence that never drafts
-        self.policy = engine.draft_policy or FixedPolicy(0)
         self.lookup = self.session.lookup if engine.policy is not None else None
         self.drafting = DraftingChoice()
 
@@ -126,7 +125,8 @@ class Batcher:
             ids,
             target,
             parts[0],
-            policy=self.policy,
+            # plain decoding (no drafter) batches too: a sequence that never drafts
+            policy=engine.policy_for(request) or FixedPolicy(0),
             sampling=sampling,
             lookup=parts[1] if len(parts) > 1 else None,
             logits_processors=make_logits_processors(
@@ -168,7 +168,7 @@ class Batcher:
         # a request with a seed draws alone what it draws in a batch only if both draft alike
         seeded = any(sequence.seeded for sequence in sequences)
         drafts = seeded or self.drafting.drafts(size)
-        longest = None if size == 1 else LONGEST_BATCHED_PROPOSAL if drafts else 0
+        longest = None if size == 1 or seeded else LONGEST_BATCHED_PROPOSAL if drafts else 0
         start = time.perf_counter()
         rounds = batched_round(self.batch, sequences, longest)
         seconds = time.perf_counter() - start

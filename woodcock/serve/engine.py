@@ -65,9 +65,21 @@ class Engine:
         # (a fresh one would start from the prior at every request)
         self.draft_policy = None
         if policy is not None:
-            self.draft_policy = parse_policy(
-                policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
-            )
+            self.draft_policy = self._new_policy()
+
+    def _new_policy(self):
+        session = self.session
+        return parse_policy(
+            self.policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
+        )
+
+    def policy_for(self, request: GenerationRequest):
+        """The server's policy, or a fresh one for a request with a seed: a sampled answer
+        depends on the draft lengths (each draft draws from the request's key), so they must
+        depend on the request alone, not on what the policy learned from the requests before."""
+        if request.seed is None or self.draft_policy is None:
+            return self.draft_policy
+        return self._new_policy()
 
     def facts(self, model_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ModelFacts:
         return ModelFacts(
@@ -140,7 +152,7 @@ class Engine:
                 self.session,
                 ids,
                 max_tokens=request.max_tokens,
-                policy=self.draft_policy,
+                policy=self.policy_for(request),
                 sampling=sampling,
                 stop=request.stop,
                 on_text=on_text,

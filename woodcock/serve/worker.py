@@ -85,9 +85,11 @@ class GenerationWorker:
         return self.engine
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False when `queue_size` jobs are waiting already."""
+        """Queue a job; False when `queue_size` jobs are waiting already beyond those the free
+        slots will take (they are queued too until the worker reaches them)."""
         with self._lock:
-            if self.waiting >= self.queue_size:
+            free_slots = max(0, self.max_batch - len(self.running))
+            if self.waiting >= self.queue_size + free_slots:
                 return False
             self.waiting += 1
         self._jobs.put(job)
