@@ -5,6 +5,7 @@ resumes exactly, and writes a drafter that loads and decodes exactly."""
 import dataclasses
 import json
 import os
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -34,6 +35,7 @@ from woodcock.train.distill import ANSWERS, distill, read_answers, read_prompts
 from woodcock.train.eagle3_model import build_model, build_spec, ttt_logits
 from woodcock.train.features import TargetRunner, from_fp16, to_fp16
 from woodcock.train.options import TrainOptions
+from woodcock.train.target_shape import default_taps
 
 MAX_TOKENS = 40
 STEPS = 60
@@ -363,7 +365,7 @@ def short_run(work, out, **changes) -> TrainOptions:
     return TrainOptions(data=work / "data", out=out, **settings)
 
 
-def test_resume_continues_with_the_same_losses(work, tmp_path):
+def test_resume_continues_with_the_same_losses(work, tmp_path, monkeypatch):
     def options(name, **kw):
         return short_run(work, tmp_path / name, **kw)
 
@@ -384,11 +386,22 @@ def test_resume_continues_with_the_same_losses(work, tmp_path):
         T.train(options("cut", resume=True, steps=11))
     with pytest.raises(DrafterError, match="with algorithm = 'eagle3', this run asks for 'dspark'"):
         T.train(options("cut", resume=True, algorithm="dspark", head_size=None))
-    resumed = T.train(options("cut", resume=True))
+    # moved: the answers and the checkpoints copied elsewhere, the target named by another
+    # path, the default taps given explicitly: still the same run
+    moved = tmp_path / "moved"
+    shutil.copytree(work / "data", moved / "data")
+    shutil.copytree(tmp_path / "cut.ckpt", moved / "cut.ckpt")
+    monkeypatch.chdir(work)
+    taps = default_taps(json.loads((work / "target" / "config.json").read_text())["num_hidden_layers"])
+    resumed = T.train(
+        dataclasses.replace(
+            options("cut", resume=True), data=moved / "data", out=moved / "cut", target="target", taps=taps
+        )
+    )
     assert resumed.resumed_from == 4
     assert resumed.losses == whole.losses[4:]  # bit for bit: same batches, same state
     log = [
-        json.loads(line) for line in (tmp_path / "cut.ckpt" / "log.jsonl").read_text().splitlines()
+        json.loads(line) for line in (moved / "cut.ckpt" / "log.jsonl").read_text().splitlines()
     ]
     assert [e["step"] for e in log] == list(range(11))
     assert resumed.holdout_agreement == whole.holdout_agreement
@@ -449,6 +462,8 @@ def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys
         assert np.array_equal(np.asarray(drafter.weights[name], np.float32), array), name
     training = native.read_provenance(tmp_path / "early")["training"]
     assert training["steps"] == 4 and training["planned_steps"] == 10
+    log = [json.loads(line) for line in (tmp_path / "early.ckpt" / "log.jsonl").read_text().splitlines()]
+    assert training["final_loss"] == next(e["loss"] for e in log if e["step"] == 4)  # made before
 
 
 def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
@@ -470,6 +485,15 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
         started.vocab.draft_to_target, load_drafter(trained).vocab.draft_to_target
     )
 
+    # from any format woodcock reads: speculators does not record the target's layer count
+    from woodcock.conversion import convert
+
+    converted = tmp_path / "speculators"
+    convert(str(trained), converted, to="speculators", target=str(work / "target"))
+    assert load_drafter(converted).spec.target.num_hidden_layers is None
+    from_converted = T.train(short_run(work, tmp_path / "warm2", **{**same_eval, "init": str(converted)}))
+    assert from_converted.holdout_agreement_initial == theirs["holdout_agreement"]
+
     with pytest.raises(DrafterError, match=r"--init .*--head-size 64: a drafter to start from"):
         T.train(short_run(work, tmp_path / "x", init=str(trained), head_size=64))
     with pytest.raises(DrafterError, match=r"--init .*: taps = .*; this run trains"):
@@ -481,6 +505,15 @@ def test_init_starts_from_a_trained_drafter(work, trained, tmp_path):
     ]:
         with pytest.raises(DrafterError, match=f"the output {where}"):
             T.train(short_run(work, out, init=str(trained), force=True))
+    # nor the checkpoints, which --force clears at the start, nor OUT and they one another
+    for checkpoints, message in [
+        (work / "data", f"{work / 'data'}: the checkpoint folder is the answers \\(--data\\)"),
+        (tmp_path / "z" / "ckpt", "the checkpoint folder and the output .* must not hold one another"),
+        (tmp_path, "the checkpoint folder and the output .* must not hold one another"),
+    ]:
+        with pytest.raises(DrafterError, match=message):
+            T.train(short_run(work, tmp_path / "z", checkpoints=checkpoints, force=True))
+    assert not (tmp_path / "z").exists() and not (work / "data" / "latest.json").exists()
     assert (work / "data").is_dir() and load_drafter(trained).spec == trained_spec
 
 

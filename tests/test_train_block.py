@@ -379,6 +379,7 @@ def test_block_resume_continues_with_the_same_losses(work, tmp_path):
         (dict(decay_gamma=0.0), "--decay-gamma 0.0"),
         (dict(confidence_weight=-1.0), "--confidence-weight -1.0"),
         (dict(max_len=5), "--max-len 5"),
+        (dict(block_size=62, max_len=64), "--block-size 62: no training answer in .* has room"),
     ],
 )
 def test_block_options_are_checked(work, tmp_path, changes, message):

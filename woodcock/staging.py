@@ -186,19 +186,21 @@ def check_output_file(dest: Path, *, force: bool) -> None:
             break
 
 
-def refuse_replacing_inputs(dest: Path, inputs: Mapping[str, str | Path | None]) -> None:
+def refuse_replacing_inputs(
+    dest: Path, inputs: Mapping[str, str | Path | None], *, role: str = "output"
+) -> None:
     """An output directory is replaced whole under --force, so it must not be, or hold, one of
-    the command's own inputs (by role: {"source drafter": path}); names that are not local
-    paths (Hugging Face ids) are skipped."""
+    the command's own inputs ({"source drafter": path}; names that are not local paths, Hugging
+    Face ids, are skipped). role: what `dest` is, for the message."""
     dest = Path(dest).expanduser().resolve()
-    for role, given in inputs.items():
+    for name, given in inputs.items():
         path = None if given is None else Path(given).expanduser()
         if path is None or not path.exists():
             continue
         path = path.resolve()
         if dest == path or dest in path.parents:
-            where = f"is the {role}" if dest == path else f"holds the {role} {path}"
-            raise DrafterError(f"{dest}: the output {where}; write the output elsewhere")
+            where = f"is the {name}" if dest == path else f"holds the {name} {path}"
+            raise DrafterError(f"{dest}: the {role} {where}; write the {role} elsewhere")
 
 
 def _refuse_existing(dest: Path, force: bool) -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
-from woodcock.train.distill import META, read_answers
+from woodcock.train.distill import META, answer_records
 from woodcock.train.features import from_fp16
 
 
@@ -24,13 +24,23 @@ class Sample:
     prompt_length: int
 
 
-def load_samples(data: Path, max_len: int) -> list[Sample]:
+def load_samples(data: Path, max_len: int, *, vocab_size: int) -> list[Sample]:
+    """The answers in `data` as samples cut to `max_len` tokens (one keeping no answer token is
+    left out). Every id must be a token of the target's `vocab_size`, and each answer's id
+    unique: two `woodcock distill` runs into one folder once appended every answer twice."""
     data = Path(data)
     if not (data / META).exists():
         raise DrafterError(f"{data}: no {META}; make the data with `woodcock distill`")
     samples = []
-    for row in read_answers(data):
+    first_seen: dict[str, str] = {}
+    for where, row in answer_records(data):
+        if row["id"] in first_seen:
+            line = first_seen[row["id"]].rpartition(":")[2]
+            raise DrafterError(f"{where}: id {row['id']!r} occurs twice (first on line {line})")
+        first_seen[row["id"]] = where
         prompt, answer = row["prompt_ids"], row["answer_ids"]
+        _refuse_outside_vocabulary(where, "prompt_ids", prompt, vocab_size)
+        _refuse_outside_vocabulary(where, "answer_ids", answer, vocab_size)
         tokens = np.array((prompt + answer)[:max_len], dtype=np.int32)
         if len(prompt) < 1 or len(tokens) < len(prompt) + 1:
             continue  # nothing of the answer survives the cut
@@ -40,6 +50,17 @@ def load_samples(data: Path, max_len: int) -> list[Sample]:
             f"{data}: {len(samples)} usable answer(s); training needs at least 2 (one is held out)"
         )
     return samples
+
+
+def _refuse_outside_vocabulary(where: str, key: str, ids: list[int], vocab_size: int) -> None:
+    # the target's forward does not check its ids: one past the embedding crashed it (a
+    # segfault, not an error), and a negative one failed later, in the head's token counts
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise DrafterError(
+            f"{where}: {key} holds token id {bad}; expected ids in [0, {vocab_size}),"
+            " the target's vocabulary"
+        )
 
 
 def holdout_split(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:

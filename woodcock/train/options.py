@@ -113,7 +113,9 @@ class TrainOptions:
         return out.with_name(out.name + ".ckpt")
 
     def recipe(self) -> dict[str, Any]:
-        """What a resumed run must share with the run it continues."""
+        """What a resumed run must share with the run it continues, besides its inputs (which
+        `train` compares by content, wherever they lie: the answers, the target, the drafter
+        started from, and the taps as resolved)."""
         chain = ("ttt_steps", "step_weight") if not self.is_block else ()
         keys = (
             "steps",
@@ -130,11 +132,6 @@ class TrainOptions:
         recipe = {k: getattr(self, k) for k in keys}
         recipe["head_size"] = self.draft_head_size()
         recipe["warmup"] = self.warmup_steps()
-        recipe["taps"] = list(self.taps) if self.taps else None
-        recipe["target"] = str(self.target)
-        recipe["data"] = str(Path(self.data).resolve())
-        if self.init is not None:
-            recipe["init"] = str(self.init)
         if self.is_block:
             recipe["algorithm"] = self.algorithm
             for k in ("block_size", "layers", "anchors", "decay_gamma"):

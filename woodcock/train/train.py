@@ -12,7 +12,11 @@ same answers, feature cache, batches, optimiser and checkpoints:
 * Optimiser: AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to --min-lr-ratio of the
   peak, gradient-norm clipping. Checkpoints (weights, optimizer state, step) every
   --checkpoint-every steps and at the end; --resume continues from the last one and gives the same
-  losses as an uninterrupted run (the batch order is a function of the seed and the step).
+  losses as an uninterrupted run (the batch order is a function of the seed and the step). The
+  run's inputs are checked by content, not by path, so a checkpoint folder copied to another
+  machine resumes there with the same answers and target wherever they lie. The checkpoints
+  may neither hold an input nor OUT, nor lie inside it (--force clears them at the start; OUT is
+  replaced whole at the end).
 * --init: start from a trained drafter (any format woodcock reads) instead of random weights;
   its taps and head rows are kept, and it must have exactly the shape its recipe builds. Its own
   training data is not checked against this run's hold-out: hold-out figures are only clean when
@@ -41,15 +45,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from woodcock.default_target import resolve_target
+from woodcock.default_target import resolve_drafter, resolve_target
 from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.jsonfile import read_json_object
-from woodcock.provenance import portable_path, portable_paths
+from woodcock.provenance import identity, portable_path, portable_paths
 from woodcock.staging import refuse_replacing_inputs
 from woodcock.target_checkpoint import target_from_config
-from woodcock.train.block_trainer import BlockRun
+from woodcock.train.block_trainer import BlockRun, anchor_candidates
 from woodcock.train.checkpoints import (
     append_log,
     checkpoint_state,
@@ -116,7 +120,10 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     run = kind(inputs)
     runner.model = None  # the target's weights are no longer needed: free them
 
-    state, start_step = _start_or_resume(opts, run, data, ckpt, group.writes)
+    inputs_used = {"target": identity(opts.target), "taps": list(taps)}
+    if opts.init is not None:
+        inputs_used["init"] = identity(resolve_drafter(opts.init))
+    state, start_step = _start_or_resume(opts, run, data, inputs_used, ckpt, group.writes)
     report.resumed_from = start_step
     plan = BatchPlan([cache.index[s.id] for s in data.train], opts.batch, opts.seed)
     last = _train_steps(opts, run, plan, state, start_step, report, progress, group.writes)
@@ -157,9 +164,21 @@ def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
     out = Path(opts.out)
     inputs = {"answers (--data)": opts.data, "--init drafter": opts.init, "target": opts.target}
     refuse_replacing_inputs(out, inputs)
+    ckpt = opts.checkpoint_dir()
+    # --force clears the checkpoints at the start and OUT is replaced whole at the end: neither
+    # may hold an input, nor the other
+    refuse_replacing_inputs(ckpt, inputs, role="checkpoint folder")
+    resolved_out, resolved_ckpt = out.expanduser().resolve(), ckpt.expanduser().resolve()
+    if resolved_out == resolved_ckpt or {resolved_out, resolved_ckpt} & {
+        *resolved_out.parents,
+        *resolved_ckpt.parents,
+    }:
+        raise DrafterError(
+            f"{ckpt}: the checkpoint folder and the output {out} must not hold one another"
+            " (--force clears the one at the start, the other is replaced whole at the end)"
+        )
     if out.exists() and not opts.force:
         raise DrafterError(f"{out}: already exists; pass --force to replace it")
-    ckpt = opts.checkpoint_dir()
     if (ckpt / "latest.json").exists() and not opts.resume:
         if not opts.force:
             raise DrafterError(
@@ -173,8 +192,18 @@ def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
 
 
 def _load_data(opts: TrainOptions) -> TrainingData:
-    samples = load_samples(opts.data, opts.max_len)
+    vocab_size = target_from_config(opts.target).vocab_size
+    samples = load_samples(opts.data, opts.max_len, vocab_size=vocab_size)
     train_samples, holdout = holdout_split(samples, opts.holdout)
+    if opts.is_block and not any(
+        anchor_candidates(len(s.tokens), s.prompt_length, opts.block_size).size
+        for s in train_samples
+    ):
+        raise DrafterError(
+            f"--block-size {opts.block_size}: no training answer in {opts.data} has room for a"
+            f" block (an answer token and {opts.block_size} more within --max-len"
+            f" {opts.max_len}); lower --block-size or raise --max-len"
+        )
     distill_meta = read_json_object(Path(opts.data) / META)
     return TrainingData(
         samples,
@@ -253,14 +282,20 @@ def _draft_vocabulary(
 
 
 def _start_or_resume(
-    opts: TrainOptions, run: TrainingRun, data: TrainingData, ckpt: Path, writes: bool
+    opts: TrainOptions,
+    run: TrainingRun,
+    data: TrainingData,
+    inputs_used: dict[str, Any],
+    ckpt: Path,
+    writes: bool,
 ) -> tuple[dict[str, Any], int]:
     """(the state every checkpoint saves, the step the run continues after): the checkpoint's,
-    once its answers and recipe are this run's; else a new log (the rank that `writes` makes
-    it) and the evaluation at step 0."""
+    once its answers, recipe and `inputs_used` (by content, not by path: a run moved to
+    another machine resumes) are this run's; else a new log (the rank that `writes` makes it)
+    and the evaluation at step 0."""
     facts = [(s.id, len(s.tokens), s.prompt_length) for s in data.samples]
     state: dict[str, Any] = {
-        "recipe": opts.recipe(),
+        "recipe": {**opts.recipe(), **inputs_used},
         "data_sha256": hashlib.sha256(json.dumps(facts).encode()).hexdigest(),
     }
     log_path = ckpt / LOG
@@ -295,6 +330,7 @@ def _start_or_resume(
     state["train_seconds"] = loaded.get("train_seconds", 0.0)
     state["train_tokens"] = loaded.get("train_tokens", 0)
     state["last_eval"] = loaded.get("last_eval")
+    state["last_loss"] = loaded.get("last_loss")
     if writes:
         trim_log(log_path, start_step)
     return state, start_step
@@ -325,6 +361,7 @@ def _train_steps(
         run_seconds += seconds
         state["train_seconds"] += seconds
         state["train_tokens"] += tokens_in
+        state["last_loss"] = metrics["loss"]
         report.losses.append(metrics["loss"])
         entry = {
             "step": step,
@@ -365,7 +402,8 @@ def _write_drafter(
     vocab_map = VocabMap(vocab.head_ids, VocabCounts(vocab.counts, vocab.info))
     drafter = Drafter(spec, vocab_map, trained_weights(run.model))
     recipe = {
-        **opts.recipe(),
+        **state["recipe"],
+        "data": str(Path(opts.data).resolve()),
         "taps": list(spec.taps.layer_ids),
         "draft_vocab_size": spec.draft_vocab_size,
     }
@@ -394,7 +432,7 @@ def _write_drafter(
             "planned_steps": opts.steps,
             "tokens_seen": int(state["train_tokens"]),
             "seconds": round(state["train_seconds"], 1),
-            "final_loss": report.losses[-1] if report.losses else None,
+            "final_loss": state.get("last_loss"),  # a resumed run's last step may be before it
             "log": str((opts.checkpoint_dir() / LOG).resolve()),
             **({"processes": processes} if processes > 1 else {}),
         },

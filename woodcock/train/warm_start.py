@@ -48,8 +48,16 @@ def load_init(opts: TrainOptions):
 
 def start_from(model, init, spec, source: str) -> None:
     """Load `init`'s weights into the freshly built `model`; `init` must have the spec this run
-    builds (the number of TTT steps and the target's name aside)."""
+    builds (the number of TTT steps, the target's name and a layer count its format does not
+    record aside). A copy of the target's embedding counts as sharing it (a conversion for vLLM
+    copies it in)."""
     algorithm = init.spec.algorithm
+    head = init.spec.head
+    if (head.embedding, spec.head.embedding) == ("own", "shared") and np.array_equal(
+        np.asarray(init.weights["embed_tokens.weight"], np.float32),
+        np.asarray(model.embed_tokens.weight.astype(mx.float32)),
+    ):
+        head = dataclasses.replace(head, embedding="shared")
     if isinstance(algorithm, Eagle3):
         algorithm = dataclasses.replace(
             algorithm, speculative_tokens=spec.algorithm.speculative_tokens
@@ -57,10 +65,12 @@ def start_from(model, init, spec, source: str) -> None:
     theirs = dataclasses.replace(
         init.spec,
         algorithm=algorithm,
+        head=head,
         target=dataclasses.replace(
             init.spec.target,
             name_or_path=spec.target.name_or_path,
             architectures=spec.target.architectures,
+            num_hidden_layers=init.spec.target.num_hidden_layers or spec.target.num_hidden_layers,
         ),
     )
     if theirs != spec:
@@ -73,8 +83,13 @@ def start_from(model, init, spec, source: str) -> None:
             f"--init {source}: {field_name} = {getattr(init.spec, field_name)!r}; this run trains"
             f" {getattr(spec, field_name)!r}"
         )
-    weights = [(name, mx.array(np.asarray(a, np.float32))) for name, a in init.weights.items()]
-    model.load_weights(weights, strict=False)  # the embedding is the target's, not the drafter's
+    # the embedding is the target's, not the drafter's
+    weights = [
+        (name, mx.array(np.asarray(a, np.float32)))
+        for name, a in init.weights.items()
+        if name != "embed_tokens.weight"
+    ]
+    model.load_weights(weights, strict=False)
     mx.eval(model.parameters())
 
 
