@@ -66,6 +66,7 @@ def read(
     config_path, config = hf.read_config(path)
     with error_prefix(f"{config_path}: "):
         hf.check_keys(config, known, fmt)
+        _check_copied_sizes(config)
         layers = block_layers(config)
         algorithm, stored_taps = read_own(config, layers)
         target_layers = read_target_layers(config)
@@ -272,3 +273,20 @@ def shared_head_problems(drafter: Drafter, fmt: str) -> list[str]:
     if own:
         problems.append(f"the drafter's own {' and '.join(own)} ({fmt} always uses the target's)")
     return problems
+
+
+# SpecForge's exports of its DFlash and DSpark drafters carry keys its block drafters never read
+# (sgl-project/SpecForge@a6b6b02:specforge/modeling/auto.py sets draft_vocab_size to vocab_size;
+# its qwen3.6-27b-dspark config holds "target_hidden_size": null): read where they say nothing
+# new, refused where they would mean another size.
+COPIED_SIZES = {"draft_vocab_size": "vocab_size", "target_hidden_size": "hidden_size"}
+
+
+def _check_copied_sizes(config: dict) -> None:
+    for key, size_key in COPIED_SIZES.items():
+        value = config.get(key)
+        if value is not None and value != config.get(size_key):
+            raise DrafterError(
+                f"{key} = {value!r}: expected null or {size_key} ({config.get(size_key)!r}); a"
+                " block drafter here reads neither"
+            )

@@ -69,6 +69,11 @@ KNOWN = (
         "norm_output",
         "eagle_config",
         "mlp_bias",
+        # copied from the target's config by SpecForge's own configs, read nowhere in it
+        # (sgl-project/SpecForge@a6b6b02:configs/gemma3-1b-eagle3.json,
+        # configs/qwen3-next-80b-a3b-eagle3.json); a dense Llama layer has no sparse steps
+        "target_model_type",
+        "decoder_sparse_step",
         # copied from a Qwen config; a Llama layer has no window
         "max_window_layers",
         "use_sliding_window",

@@ -52,6 +52,7 @@ KNOWN = (
     hf.INERT_KEYS
     | hf.LAYER_KEYS
     | block.BLOCK_KEYS
+    | set(block.COPIED_SIZES)
     | {
         "auto_map",
         "block_size",

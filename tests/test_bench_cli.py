@@ -194,20 +194,41 @@ def test_the_ideal_prices_each_round_at_the_profiles_cost():
         draft_kind="chain",
     )
     stats = Stats(prompt_tokens=50)
-    rounds = [  # drafts, accepted, copied, extended
-        (2, 2, False, 0),  # context 50: verify 3 rows 3.0 + draft 2 0.5; plain 1.50 + 1.51 + 1.52
-        (4, 1, True, 0),  # context 53: verify 5 rows 4.59 + nothing drafted; plain 1.53 + 1.54
-        (3, 0, False, 2),  # context 55: verify 4 rows 3.875 + the drafter's 1 draft 0.25; plain 1.55
-        (0, 0, False, 0),  # context 56: a plain step 1.56
+    rounds = [  # drafts verified, accepted, copied, extended, drafts made
+        (2, 2, False, 0, 2),  # context 50: verify 3 rows 3.0 + draft 2 0.5; plain 1.50 + 1.51 + 1.52
+        (4, 1, True, 0, 0),  # context 53: verify 5 rows 4.59 + nothing drafted; plain 1.53 + 1.54
+        (3, 0, False, 2, 1),  # context 55: verify 4 rows 3.875 + the drafter's 1 draft 0.25; plain 1.55
+        (0, 0, False, 0, 0),  # context 56: a plain step 1.56
+        (1, 0, False, 0, 3),  # context 57: verify 2 rows 2.355 + 3 drafts 0.75, 2 cut; plain 1.57
+        (0, 0, False, 0, 2),  # context 58: 2 drafts 0.5, both cut: a plain step 1.58
     ]
-    for drafted, accepted, copied, extended in rounds:
+    for drafted, accepted, copied, extended, made in rounds:
         stats.drafted.append(drafted)
         stats.accepted.append(accepted)
         stats.copied.append(copied)
         stats.extended.append(extended)
+        stats.drafts_made.append(made)
     plain, spent = ideal_seconds(stats, profile, "full")
-    assert plain == pytest.approx((1.50 + 1.51 + 1.52) + (1.53 + 1.54) + 1.55 + 1.56)
-    assert spent == pytest.approx((3.0 + 0.5) + 4.59 + (3.875 + 0.25) + 1.56)
+    assert plain == pytest.approx((1.50 + 1.51 + 1.52) + (1.53 + 1.54) + 1.55 + 1.56 + 1.57 + 1.58)
+    assert spent == pytest.approx(
+        (3.0 + 0.5) + 4.59 + (3.875 + 0.25) + 1.56 + (2.355 + 0.75) + (1.58 + 0.5)
+    )
+
+
+def test_a_profile_written_by_hand_is_read_non_decreasing_and_never_negative(tmp_path):
+    from woodcock.errors import DrafterError
+
+    path = tmp_path / "latency.json"
+    dipping = [0.1 * k for k in range(1, 9)] + [0.3] * 8  # falls after 8 rows
+    data = {"machine": {}, "draft_kind": "chain", "draft_seconds": {"full": [0.01, 0.005]}}
+    write_profile(path, {**data, "verify_seconds": {"32": dipping}})
+    profile = LatencyProfile.load(path)
+    costs = [profile.verify_cost(k, 32) for k in range(1, 40)]
+    assert costs == sorted(costs) and min(costs) > 0
+    assert profile.draft_cost(2) >= profile.draft_cost(1)
+    write_profile(path, {**data, "verify_seconds": {"32": [0.1, -0.2]}})
+    with pytest.raises(DrafterError, match="expected finite, non-negative seconds"):
+        LatencyProfile.load(path)
 
 
 def test_acceptance_needed_solves_expected_tokens_per_round_against_the_cost(tmp_path):

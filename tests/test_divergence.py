@@ -69,6 +69,8 @@ def test_a_tie_needs_both_margins_within_twice_the_noise():
 
     assert divergence(0.0, 0.25).tie and divergence(1.0, 1.0).tie
     assert not divergence(0.0, 1.5).tie and not divergence(-1.2, 0.1).tie
+    # the verify forward itself ranks plain's token first: not the verify path's choice
+    assert not divergence(0.25, -0.25).tie and not divergence(-0.25, 0.25).tie
     assert divergence(0.0, 1.5).as_dict()["kind"] == "different"
 
 

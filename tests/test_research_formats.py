@@ -464,6 +464,31 @@ def test_zlab_refusals(zlab_dir, edit, message):
     one_line(info)
 
 
+def test_specforge_exports_of_block_drafters_read_with_the_sizes_they_copy_in(
+    zlab_dir, specforge_dspark_dir
+):
+    """SpecForge's export writes draft_vocab_size = vocab_size into its DFlash and DSpark
+    configs, and one of its DSpark configs "target_hidden_size": null: keys its block drafters
+    never read. Read where they say nothing new; another size is refused."""
+    for path, read in ((zlab_dir, zlab_dflash.read), (specforge_dspark_dir, specforge_dspark.read)):
+        before = read(path).spec
+        edit_config(path, lambda c: c.update(draft_vocab_size=c["vocab_size"], target_hidden_size=None))
+        assert read(path).spec == before
+        edit_config(path, lambda c: c.update(target_hidden_size=c["hidden_size"]))
+        assert read(path).spec == before
+        edit_config(path, lambda c: c.update(draft_vocab_size=c["vocab_size"] // 2))
+        with pytest.raises(DrafterError, match=r"draft_vocab_size = \d+: expected null or vocab_size") as info:
+            read(path)
+        one_line(info)
+
+
+def test_specforge_eagle3_configs_copied_from_targets_read(specforge_dir):
+    path, _ = specforge_dir
+    before = specforge.read(path, taps=[2, 18, 33]).spec
+    edit_config(path, lambda c: c.update(target_model_type="gemma3_text", decoder_sparse_step=1))
+    assert specforge.read(path, taps=[2, 18, 33]).spec == before
+
+
 def test_zlab_taps_from_the_command_line(zlab_dir):
     edit_config(zlab_dir, lambda c: c["dflash_config"].pop("target_layer_ids"))
     assert zlab_dflash.read(zlab_dir, taps=[2, 4, 6]).spec.taps.layer_ids == (2, 4, 6)

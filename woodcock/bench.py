@@ -71,6 +71,7 @@ class DomainResult:
         self.stats.accepted += stats.accepted
         self.stats.copied += stats.copied
         self.stats.extended += stats.extended
+        self.stats.drafts_made += stats.drafts_made
 
     def row(self) -> dict:
         baseline = self.baseline_tokens / self.baseline_seconds if self.baseline_seconds else 0.0
@@ -141,17 +142,17 @@ def ideal_seconds(
     stats: Stats, profile: LatencyProfile, head: str | None = None
 ) -> tuple[float, float]:
     """What the latency profile predicts for the tokens these rounds emitted: (plain decoding's
-    seconds, one one-token step a token; the rounds' seconds, each its drafting, none for a copy,
-    plus verifying its drafts and the anchor), every step priced at its context length."""
+    seconds, one one-token step a token; the rounds' seconds, each its drafting, of every draft
+    made, those a policy cut too, none for a copy, plus verifying its drafts and the anchor),
+    every step priced at its context length."""
     plain = rounds = 0.0
     context = stats.prompt_tokens
-    for drafted, accepted, copied, extended in zip(
-        stats.drafted, stats.accepted, stats.copied, stats.extended, strict=True
+    for drafted, accepted, made in zip(
+        stats.drafted, stats.accepted, stats.drafts_made, strict=True
     ):
-        own_drafts = 0 if copied else drafted - extended
         rounds += profile.verify_cost(drafted + 1, context)
-        if own_drafts:
-            rounds += profile.draft_cost(own_drafts, head)
+        if made:
+            rounds += profile.draft_cost(made, head)
         plain += sum(profile.verify_cost(1, context + i) for i in range(accepted + 1))
         context += accepted + 1
     return plain, rounds
@@ -334,7 +335,9 @@ TABLE_NOTES = (
     "ideal: the speed-up this machine's latency profile predicts for these rounds (drafting and"
     " verifying at the measured cost, plain decoding at one-token steps); of ideal: measured /"
     " ideal\n"
-    "copied: share of rounds that copied from the context (prompt lookup) instead of drafting"
+    "copied: share of rounds that copied from the context (prompt lookup) instead of drafting\n"
+    "acceptance by position j: of the drafter's rounds that drafted at least j tokens, the share"
+    " whose first j were all accepted (not given the first j-1 were)"
 )
 
 

@@ -93,6 +93,9 @@ class Stats:
     copied: list[bool] = field(default_factory=list)  # each round: copied by prompt lookup
     # each round: drafts prompt lookup copied after the drafter's (0 in rounds that copied)
     extended: list[int] = field(default_factory=list)
+    # each round: drafts the drafter made, a policy's cut included (drafted less extended but
+    # for the cut; 0 in rounds that copied)
+    drafts_made: list[int] = field(default_factory=list)
     # proposing: building the drafts and, where the host reads them (the policy's scores, a
     # copy after them), computing them; verifying: the rest of a round until its verdict is
     # read, the drafts' computation included where nothing read them before
@@ -106,6 +109,7 @@ class Stats:
         self.accepted.append(accepted)
         self.copied.append(proposal.copy_round)
         self.extended.append(0 if proposal.copy_round else len(proposal.copied))
+        self.drafts_made.append(proposal.drafts_made)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
 
@@ -123,8 +127,9 @@ class Stats:
 
     def acceptance_by_position(self) -> list[float]:
         """Share of the drafter's rounds (not those that copied) whose draft at position i
-        (0-based) was accepted, among those that drafted that far; the drafter's drafts only,
-        not the copies that extended them."""
+        (0-based) was accepted, among those that drafted that far: not given the drafts before
+        it were (that is the policies' and the hold-out's acceptance, `AcceptanceEstimate`);
+        the drafter's drafts only, not the copies that extended them."""
         rounds = [
             (k - e, min(m, k - e))
             for k, m, c, e in zip(
@@ -434,6 +439,7 @@ class SpeculativeSequence:
             if reads is None and (reads := self.host_reads(drafts, draft_logits)):
                 mx.eval(reads)
             copied: list[int] = []
+            made = drafts.shape[0]
             if reads:
                 drafted = reads[0].tolist()
                 if self._cuts:
@@ -445,7 +451,7 @@ class SpeculativeSequence:
                     more = min(lookup.copy_length(drafted), most - d)
                     more = policy.extension_length(context, d, more) if more else 0
                     copied = lookup.continuation(more, drafted) if more else []
-            proposal = Proposal(drafts, draft_logits, copied, copy_round=False)
+            proposal = Proposal(drafts, draft_logits, copied, copy_round=False, drafts_made=made)
         self._proposal = proposal
         self._draft_seconds = time.perf_counter() - started
         return mx.concatenate([self._anchor[None].astype(mx.int32), proposal.tokens])
@@ -506,6 +512,7 @@ class Proposal:
     draft_logits: mx.array  # [d, Vh]
     copied: list[int]  # copies after the drafts (the whole proposal in a copy round)
     copy_round: bool  # prompt lookup proposed instead of the drafter
+    drafts_made: int = 0  # what the drafter drafted, before the policy cut them to `drafts`
     tokens: mx.array = field(init=False)  # [k = d + copies]: what the target verifies
 
     def __post_init__(self) -> None:

@@ -13,7 +13,10 @@ At the first divergence both paths' logits are replayed: plain decoding's with m
 their row counts. The rounding noise is measured on the same target, dtype and row count, over
 the positions both runs agree on: max |one-row logits - the same rows' logits in one forward|.
 A margin is the difference of two logits, each of which may move by the noise, so the pair's
-order is rounding's to decide only while both margins are within twice the noise: a tie.
+order is rounding's to decide only while both margins are within twice the noise: a tie. Each
+path must also have ranked its own token first (margins of at least 0): a verify forward that
+ranks plain decoding's token above the one the run emitted shows that the run did not emit its
+own verify path's choice, which no rounding explains.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Divergence:
     @property
     def tie(self) -> bool:
         bound = 2 * self.noise
-        return abs(self.one_row_margin) <= bound and abs(self.verify_margin) <= bound
+        return 0 <= self.one_row_margin <= bound and 0 <= self.verify_margin <= bound
 
     def as_dict(self) -> dict:
         return {**asdict(self), "kind": "tie" if self.tie else "different"}

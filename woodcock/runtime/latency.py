@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -70,8 +71,15 @@ class LatencyProfile:
             raise DrafterError(
                 f"{path}: malformed latency file ({type(e).__name__}: {e})"
             ) from None
-        if not verify or not draft or any(not ts for ts in (*verify.values(), *draft.values())):
+        rows = (*verify.values(), *draft.values())
+        if not verify or not draft or any(not ts for ts in rows):
             raise DrafterError(f"{path}: empty verify_seconds or draft_seconds")
+        if not all(math.isfinite(t) and t >= 0 for ts in rows for t in ts):
+            raise DrafterError(f"{path}: expected finite, non-negative seconds in every row")
+        # as `measure` writes them; a profile written another way would otherwise extrapolate
+        # a dip into negative costs
+        verify = {c: non_decreasing(ts) for c, ts in verify.items()}
+        draft = {h: non_decreasing(ts) for h, ts in draft.items()}
         return cls(verify, draft, kind)
 
     @property

@@ -74,10 +74,10 @@ class Engine:
         )
 
     def policy_for(self, request: GenerationRequest):
-        """The server's policy, or a fresh one for a request with a seed: a sampled answer
+        """The server's policy, or a fresh one for a sampled request with a seed: its answer
         depends on the draft lengths (each draft draws from the request's key), so they must
         depend on the request alone, not on what the policy learned from the requests before."""
-        if request.seed is None or self.draft_policy is None:
+        if request.seed is None or request.temperature == 0 or self.draft_policy is None:
             return self.draft_policy
         return self._new_policy()
 
