@@ -79,6 +79,10 @@ def test_auto_policy_without_a_file_measures_once_and_keeps_the_profile(demo, ca
     assert max(second["draft_lengths"]) <= 15
     fixed = json.loads(run_cli(args + ["--policy", "fixed:2"], capsys)[1])
     assert first["text"] == second["text"] == fixed["text"]
+    # a damaged cache entry is measured again
+    profile.write_text(profile.read_text()[:50])
+    assert json.loads(run_cli(args, capsys)[1])["text"] == first["text"]
+    assert LatencyProfile.load(profile).max_verify == 16
     # another head is another profile
     run_cli(args[:4] + [f"{demo / 'drafter'}@{demo / 'counts.npz'}:64"] + args[5:], capsys)
     assert len(list((tmp_path / "woodcock" / "latency").glob("*.json"))) == 2

@@ -176,7 +176,7 @@ def test_a_target_directory_without_a_config_is_refused_with_one_line(tmp_path, 
     assert err.strip() == f"woodcock: error: {empty / 'config.json'}: missing; expected an mlx-lm model directory"
 
 
-def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(tmp_path, capsys):
+def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(tmp_path, capsys, monkeypatch):
     from woodcock.demo import write_demo
 
     write_demo(tmp_path / "demo")
@@ -217,3 +217,9 @@ def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(t
         lines = [line for line in lines if not line.startswith("woodcock: warning:")]
         assert code == 2 and len(lines) == 1 and message in lines[0], (argv, err)
     assert not (tmp_path / "d").exists() and not (tmp_path / "l.json").exists()
+    # a conversion in woodcock's own cache (the default target's) is named as one
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / "woodcock" / "SmolLM2-135M-Instruct-0123"
+    shutil.copytree(truncated, cached)
+    code, _, err = run_cli(generate + ["--target", str(cached), "--prompt", "x"], capsys)
+    assert code == 2 and "woodcock made it in its cache: remove it to convert it again" in err

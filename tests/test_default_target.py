@@ -231,6 +231,29 @@ def test_missing_package_is_one_clear_line(monkeypatch, tmp_path):
     assert not (tmp_path / "woodcock").exists()
 
 
+def test_a_second_first_run_waits_for_the_conversion_under_way(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    started = threading.Event()
+
+    def slow_conversion(gguf, staging, **kwargs):
+        started.set()
+        time.sleep(1.0)
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (staging / name).write_text("{}")
+
+    monkeypatch.setattr(default_target, "convert_gguf", slow_conversion)
+    first: list = []
+    converting = threading.Thread(target=lambda: first.append(default_target_path(progress=False)))
+    converting.start()
+    assert started.wait(10)
+    second = default_target_path(progress=False)  # was refused: "is being written by pid N"
+    converting.join()
+    assert first == [second] and (second / "config.json").is_file()
+
+
 # --- slow: the real SmolLM2 GGUF ---------------------------------------------------------------
 
 
@@ -383,3 +406,16 @@ def test_a_shipped_drafter_is_named_by_its_folder(tmp_path, monkeypatch):
     (tmp_path / "smollm2-135m-eagle3").mkdir()
     assert resolve_pair(target, "smollm2-135m-eagle3")[1] == "smollm2-135m-eagle3"
     assert resolve_pair(target, "org/smollm2-135m-eagle3")[1] == "org/smollm2-135m-eagle3"
+
+
+def test_inspect_and_convert_take_a_shipped_drafters_name(tmp_path, monkeypatch, capsys):
+    from helpers import run_cli
+
+    monkeypatch.chdir(tmp_path)  # no local folder of that name
+    code, out, err = run_cli(["inspect", "smollm2-135m-eagle3", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["format"] == "woodcock"
+    argv = ["convert", "smollm2-135m-eagle3", str(tmp_path / "spec"), "--to", "speculators"]
+    code, out, err = run_cli([*argv, "--dry-run"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "spec").exists()

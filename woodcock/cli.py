@@ -12,7 +12,7 @@ import typer
 
 from woodcock import __version__
 from woodcock.cli_options import AllowTf32, DefaultableTarget, MaxTokens, parse_taps
-from woodcock.default_target import resolve_pair
+from woodcock.default_target import resolve_drafter, resolve_pair
 from woodcock.errors import DrafterError
 from woodcock.runtime.backend import configure_tf32
 from woodcock.staging import check_output_file, leftovers_message, reporting_removed_leftovers
@@ -59,7 +59,9 @@ def _options(
 
 @app.command()
 def inspect(
-    path: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
+    path: Annotated[
+        str, typer.Argument(help="Drafter directory, Hugging Face id or a shipped drafter's name.")
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
     taps: Annotated[
         str | None,
@@ -72,13 +74,15 @@ def inspect(
     vocabulary, parameters, dtypes and warnings."""
     from woodcock.inspection import describe, render_text
 
-    report = describe(path, taps=parse_taps(taps))
+    report = describe(resolve_drafter(path), taps=parse_taps(taps))
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
 
 
 @app.command()
 def convert(
-    source: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
+    source: Annotated[
+        str, typer.Argument(help="Drafter directory, Hugging Face id or a shipped drafter's name.")
+    ],
     dest: Annotated[str, typer.Argument(help="Output directory (must not exist, or --force).")],
     to: Annotated[
         str,
@@ -157,7 +161,7 @@ def convert(
     from woodcock.conversion import convert as run_convert
 
     conversion = run_convert(
-        source,
+        resolve_drafter(source),
         dest,
         to=to,
         source_format=source_format,
@@ -177,7 +181,9 @@ def convert(
 
 @app.command()
 def parity(
-    path: Annotated[str, typer.Argument(help="Drafter directory or Hugging Face id.")],
+    path: Annotated[
+        str, typer.Argument(help="Drafter directory, Hugging Face id or a shipped drafter's name.")
+    ],
     target: Annotated[
         str | None,
         typer.Option(
@@ -200,7 +206,7 @@ def parity(
     from woodcock.target_checkpoint import load_target_tensors
 
     configure_tf32(False)  # a tolerance of 1e-4 is for fp32 matmuls, not TF32's
-    drafter = load_drafter(path)
+    drafter = load_drafter(resolve_drafter(path))
     tensors = load_target_tensors(target) if target is not None else None
     report = run_parity(drafter, tensors, steps=steps)
     typer.echo(json.dumps(report, indent=2) if as_json else render_text(report))
@@ -211,8 +217,13 @@ def parity(
 @app.command()
 def doctor(
     drafter: Annotated[
-        str, typer.Option("--drafter", help="Drafter directory or Hugging Face id.")
-    ],
+        str | None,
+        typer.Option(
+            "--drafter",
+            help="Drafter directory, Hugging Face id or a shipped drafter's name (default: the"
+            " shipped drafter of the default target).",
+        ),
+    ] = None,
     target: DefaultableTarget = None,
     taps: Annotated[
         str | None,

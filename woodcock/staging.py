@@ -123,7 +123,7 @@ def staged_directory(dest: Path, *, force: bool = False) -> Iterator[Path]:
     with _parent_locked(dest.parent):
         removed = _remove_leftovers(dest)
         try:
-            writer = _live_writer(dest)
+            writer = live_writer(dest)
             if writer is not None:
                 raise DrafterError(f"{dest}: is being written by {writer}; wait for it to finish")
             _refuse_existing(dest, force)  # a killed run's output may have been put back
@@ -308,7 +308,7 @@ def _remove_leftovers(dest: Path) -> list[Path]:
     return removed
 
 
-def _live_writer(dest: Path) -> str | None:
+def live_writer(dest: Path) -> str | None:
     """Who is writing `dest` now ('pid N'), or None."""
     for path in _siblings(dest, PARTIAL):
         with _claimed(path) as claimed:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from woodcock.default_target import cache_dir
 from woodcock.errors import DrafterError
 from woodcock.ir import Drafter, Target
 from woodcock.jsonfile import read_json_object
@@ -124,4 +125,9 @@ def load_mlx_target(source: str | Path):
         # mlx-lm's own loader on a damaged model: a truncated weights file, a config it cannot
         # build the model from; the user's input either way
         detail = str(e).splitlines()[0] if str(e) else ""
-        raise DrafterError(f"{path}: mlx-lm cannot load it: {type(e).__name__}: {detail}") from None
+        hint = ""
+        if cache_dir().resolve() in path.resolve().parents:
+            hint = "; woodcock made it in its cache: remove it to convert it again"
+        raise DrafterError(
+            f"{path}: mlx-lm cannot load it: {type(e).__name__}: {detail}{hint}"
+        ) from None

@@ -342,7 +342,11 @@ def cached_profile(session, target: str, drafter: str, *, progress=None) -> Path
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     path = profile_cache_dir() / f"{digest[:20]}.json"
     if path.exists():
-        return path
+        try:
+            LatencyProfile.load(path)
+            return path
+        except DrafterError:  # a damaged cache entry is measured again
+            pass
     drafters = {session.head_label: session.drafter}
     block = session.drafter.num_drafts
     repeats = 3
