@@ -365,6 +365,38 @@ def test_a_target_of_another_shape_is_refused(tmp_path, capsys, target_dir):
     assert load_drafter(tmp_path / "out").spec.target.num_hidden_layers == 12
 
 
+def test_the_summary_names_what_the_output_format_does_not_keep(tmp_path, capsys):
+    from woodcock.ir import VocabCounts
+
+    drafter = make(CASES["eagle3-reduced-vocab"][0])
+    counts = VocabCounts(np.arange(V, dtype=np.int64), {"source": "test corpus"})
+    algorithm = dataclasses.replace(drafter.spec.algorithm, speculative_tokens=5)
+    drafter = Drafter(
+        dataclasses.replace(drafter.spec, algorithm=algorithm),
+        dataclasses.replace(drafter.vocab, counts=counts),
+        drafter.weights,
+    )
+    source = tmp_path / "src"
+    format_named("woodcock").write(drafter, source)
+    code, out, err = run(
+        ["convert", str(source), str(tmp_path / "spec"), "--to", "speculators"], capsys
+    )
+    assert code == 0, err
+    assert out.splitlines()[-1] == (
+        "not kept by speculators (the output reads back without them): token counts (PATH@N"
+        " truncation needs a counts file then), the target's layer count"
+    )
+    code, out, err = run(
+        ["convert", str(source), str(tmp_path / "sf"), "--to", "specforge"], capsys
+    )
+    assert code == 0, err
+    assert "speculative_tokens 5 (read back as 3)" in out.splitlines()[-1]
+    code, out, err = run(
+        ["convert", str(source), str(tmp_path / "same"), "--to", "woodcock"], capsys
+    )
+    assert code == 0 and "not kept" not in out
+
+
 def test_taps_other_than_safeailabs_are_refused(tmp_path):
     spec = with_(CASES["eagle3-reduced-vocab"][0], taps=Taps((1, 4, 5)))
     with pytest.raises(DrafterError, match=r"always captures ids \(2, N//2, N-3\) = \[2, 4, 5\]"):

@@ -119,3 +119,17 @@ def test_the_command_demo_suggests_runs_and_drafts(tmp_path, capsys):
     assert code == 0, err
     acceptance = out.split("acceptance by position: ")[1].splitlines()[0].split()
     assert len(acceptance) == 4 and float(acceptance[0]) > 0.5  # the bigram drafter mostly agrees
+
+
+@pytest.mark.parametrize("max_tokens", [2, 3, 8, 13])
+def test_no_round_proposes_more_than_the_tokens_left(demo_dir, capsys, max_tokens):
+    """As mlx-lm caps its drafts: a round's tokens never run past --max-tokens, so none is
+    verified in vain and tokens per round counts only tokens emitted."""
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "The quick brown", "--no-chat", "--json", "--policy", "fixed:8", "--max-tokens", str(max_tokens)]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["draft_lengths"][0] == min(8, max_tokens - 2)  # the prefill made one token
+    if report["finish_reason"] == "length":
+        assert report["generation_tokens"] == max_tokens
+        assert report["tokens_per_round"] * report["rounds"] + 1 == pytest.approx(max_tokens)

@@ -15,7 +15,7 @@ from woodcock.converters.target_binding import attach_target, fill_shared, renam
 from woodcock.converters.vocab import apply_options
 from woodcock.formats.detect import format_named
 from woodcock.ir import Drafter
-from woodcock.loading import load_drafter_with_format, resolve_source
+from woodcock.loading import load_drafter, load_drafter_with_format, resolve_source
 from woodcock.staging import check, checks_in_background, refuse_replacing_inputs
 from woodcock.target_checkpoint import load_target_tensors, target_from_config
 
@@ -29,6 +29,7 @@ class Conversion:
     drafter: Drafter  # as written (or as it would be)
     vocab_line: str | None  # what --truncate-vocab / --expand-vocab / --counts did
     plan: list[str] | None  # dry run: the lines of the plan; nothing was written
+    unkept: tuple[str, ...] = ()  # facts of the drafter the output format does not keep
 
     def summary(self) -> str:
         if self.plan is not None:
@@ -40,6 +41,11 @@ class Conversion:
                 f" {spec.algorithm.name}, {len(self.drafter.weights)} tensors,"
                 f" {self.drafter.parameter_counts()['own']:,} parameters"
             ]
+        if self.unkept:
+            lines.append(
+                f"not kept by {self.writer} (the output reads back without them):"
+                f" {', '.join(self.unkept)}"
+            )
         return "\n".join(lines + ([self.vocab_line] if self.vocab_line else []))
 
 
@@ -92,4 +98,31 @@ def convert(
                 writer.write(drafter, Path(dest), force=force, provenance=provenance)
             else:
                 writer.write(drafter, Path(dest), force=force)
-    return Conversion(str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan)
+    unkept: tuple[str, ...] = ()
+    if plan is None and writer.NAME != "woodcock":  # the native format keeps everything
+        written = load_drafter(Path(dest), writer.NAME, taps=drafter.spec.taps.layer_ids)
+        unkept = unkept_facts(drafter, written)
+    return Conversion(
+        str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan, unkept
+    )
+
+
+def unkept_facts(drafter: Drafter, written: Drafter) -> tuple[str, ...]:
+    """What of `drafter` its output, read back as `written`, lost: facts beside the weights and
+    the math (those a format cannot hold are refused when it is written)."""
+    lost = []
+    if drafter.vocab.counts is not None and written.vocab.counts is None:
+        lost.append("token counts (PATH@N truncation needs a counts file then)")
+    mine, theirs = drafter.spec.target, written.spec.target
+    for field, what in (
+        ("num_hidden_layers", "the target's layer count"),
+        ("name_or_path", "the target's name"),
+        ("architectures", "the target's architectures"),
+    ):
+        if getattr(mine, field) and not getattr(theirs, field):
+            lost.append(what)
+    tokens = getattr(drafter.spec.algorithm, "speculative_tokens", None)
+    read_back = getattr(written.spec.algorithm, "speculative_tokens", None)
+    if tokens != read_back:
+        lost.append(f"speculative_tokens {tokens} (read back as {read_back})")
+    return tuple(lost)

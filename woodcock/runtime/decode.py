@@ -173,6 +173,7 @@ def speculative_generate_step(
     logits_processors: Sequence[LogitsProcessor] = (),
     logprobs: bool = False,
     key: mx.array | None = None,
+    max_tokens: int | None = None,
 ) -> Iterator[tuple[int, bool]] | Iterator[tuple[int, bool, mx.array]]:
     """Yields (token, from_draft) forever; the caller stops at EOS or a length limit. The policy
     (woodcock.runtime.policy) says how far to draft; lookup: rounds whose recent tokens repeat
@@ -192,7 +193,8 @@ def speculative_generate_step(
     before the row in a verification), so drafts are judged against the distribution plain
     decoding with them samples. logprobs: yield (token, from_draft, the target's log-probabilities
     at the token's position [V], as `mlx_lm.generate.generate_step` yields them). key: the PRNG
-    key of this generation's draws (None: MLX's global random state)."""
+    key of this generation's draws (None: MLX's global random state). max_tokens: the tokens the
+    caller will take at most; no round proposes more than the stream may still emit."""
     sequence = SpeculativeSequence(
         prompt,
         target,
@@ -204,6 +206,7 @@ def speculative_generate_step(
         logits_processors=logits_processors,
         logprobs=logprobs,
         key=key,
+        max_tokens=max_tokens,
     )
     first = sequence.start(cached, cancelled)
     if first is None:
@@ -288,8 +291,12 @@ class SpeculativeSequence:
         logits_processors: Sequence[LogitsProcessor] = (),
         logprobs: bool = False,
         key: mx.array | None = None,
+        max_tokens: int | None = None,
     ):
         self.prompt, self.target, self.drafter, self.lookup = list(prompt), target, drafter, lookup
+        # tokens the stream may still emit (None: no limit): a round proposes at most one
+        # fewer, as mlx-lm's speculative loop caps its drafts, so none is verified in vain
+        self._room = max_tokens
         self.policy, self.sampling, self.logprobs = policy, sampling, logprobs
         # whether the policy cuts the drafts by their scores (woodcock.runtime.policy: not
         # when sampling, where the scores depend on the drafts drawn)
@@ -313,6 +320,10 @@ class SpeculativeSequence:
     def seeded(self) -> bool:
         """Whether it samples with its own PRNG key (its draws then depend on how it drafts)."""
         return self._key is not None
+
+    def _emit(self, tokens: int) -> None:
+        if self._room is not None:
+            self._room -= tokens
 
     def _next_key(self) -> mx.array | None:
         if self._key is None:
@@ -377,6 +388,7 @@ class SpeculativeSequence:
         )
         self.stats.cached_tokens = cached
         self._anchor = anchor
+        self._emit(1)
         return self._steps([anchor.item()], 0, logits)
 
     def propose(self, longest: int | None = None) -> mx.array:
@@ -393,6 +405,8 @@ class SpeculativeSequence:
         and the policy takes it, else the policy's draft length; at most `longest` tokens."""
         context = self.rows.offset + 1
         most = MAX_PROPOSAL if longest is None else longest
+        if self._room is not None:
+            most = min(most, max(self._room - 1, 0))
         lookup, policy = self.lookup, self.policy
         copy = lookup.copy_length() if lookup is not None and most else 0
         copy = min(policy.copy_length(context, copy), most) if copy else 0
@@ -493,6 +507,7 @@ class SpeculativeSequence:
         proposal, accepted = self._proposal, m.item()
         # read from arrays the verdict's evaluation computed: no further evaluation
         emitted = proposal.tokens.tolist()[:accepted] + [bonus.item()]
+        self._emit(len(emitted))
         self.rows.rollback(proposal.tokens.shape[0] - accepted)
         kept = mx.concatenate([proposal.tokens[:accepted], bonus[None].astype(mx.int32)])
         self.drafter.add_context(kept, taps[: accepted + 1])

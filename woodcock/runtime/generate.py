@@ -285,6 +285,7 @@ def generate(
         logits_processors=logits_processors,
         logprobs=logprobs is not None,
         key=key,
+        max_tokens=max_tokens,
     )
     result = timed_text(
         ((step[0], step[2]) for step in steps) if logprobs is not None else (s[0] for s in steps),

@@ -137,6 +137,7 @@ class Batcher:
             ),
             logprobs=request.logprobs is not None,
             key=None if request.seed is None else mx.random.key(request.seed),
+            max_tokens=request.max_tokens,
         )
         on_text = (lambda text: job.emit("text", text)) if request.stream else None
         text = TextStream(
