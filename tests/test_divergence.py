@@ -76,11 +76,17 @@ def test_a_tie_needs_both_margins_within_twice_the_noise():
 
 def test_the_replayed_verify_path_chose_every_token_the_run_emitted(runs):
     session, ids, expected, ours = runs
-    assert ours.tokens == expected and ours.stats.rounds > 1
+    stats = ours.stats
+    assert ours.tokens == expected and stats.rounds > 1
+    # the prompt's rows made the first token; each round's K drafts and its anchor the next
+    rows_by_position = [len(ids)]
+    for drafted, accepted in zip(stats.drafted, stats.accepted, strict=True):
+        rows_by_position += [drafted + 1] * (accepted + 1)
+    assert set(stats.drafted[:-1]) == {2}  # fixed:2; the last round no further than the end
     for position in range(len(ours.tokens)):
-        logits, rows = verify_logits(session.target, ids, ours.tokens, ours.stats, position)
+        logits, rows = verify_logits(session.target, ids, ours.tokens, stats, position)
         assert mx.argmax(logits).item() == ours.tokens[position]
-        assert rows == (len(ids) if position == 0 else 3)  # the prompt, else K = 2 and the anchor
+        assert rows == rows_by_position[position]
     assert classify(session, ids, expected, ours.tokens, ours.stats) is None
 
 

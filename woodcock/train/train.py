@@ -168,11 +168,8 @@ def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
     # --force clears the checkpoints at the start and OUT is replaced whole at the end: neither
     # may hold an input, nor the other
     refuse_replacing_inputs(ckpt, inputs, role="checkpoint folder")
-    resolved_out, resolved_ckpt = out.expanduser().resolve(), ckpt.expanduser().resolve()
-    if resolved_out == resolved_ckpt or {resolved_out, resolved_ckpt} & {
-        *resolved_out.parents,
-        *resolved_ckpt.parents,
-    }:
+    here, there = out.expanduser().resolve(), ckpt.expanduser().resolve()
+    if here == there or here in there.parents or there in here.parents:
         raise DrafterError(
             f"{ckpt}: the checkpoint folder and the output {out} must not hold one another"
             " (--force clears the one at the start, the other is replaced whole at the end)"
