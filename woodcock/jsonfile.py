@@ -53,5 +53,12 @@ def jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
             yield where, record
 
 
+def is_int_list(value: Any) -> bool:
+    """A JSON list of integers (token ids), booleans not counted."""
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
 def write_json(path: Path, data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

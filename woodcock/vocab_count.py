@@ -27,7 +27,7 @@ import typer
 
 from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO, coverage_by_size
 from woodcock.errors import DrafterError
-from woodcock.jsonfile import jsonl_records
+from woodcock.jsonfile import is_int_list, jsonl_records
 from woodcock.provenance import portable_path
 from woodcock.staging import staged_file
 
@@ -243,16 +243,10 @@ def _jsonl_segments(file: Path, tokenizer: _Tokenizer) -> Iterator[tuple[str, li
             record = record[key]
         if isinstance(record, str) and key in (None, "text"):
             yield where, tokenizer.encode([record])
-        elif key != "text" and _is_token_ids(record):
+        elif key != "text" and is_int_list(record):
             yield where, [record]
         elif key is None:
             raise DrafterError(f"{where}: expected a list of token ids or a text")
         else:
             wanted = "a string" if key == "text" else "a list of token ids"
             raise DrafterError(f"{where}: {key} must be {wanted}, found {type(record).__name__}")
-
-
-def _is_token_ids(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    )

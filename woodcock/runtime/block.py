@@ -172,12 +172,7 @@ class BlockDrafter:
             fast["conf_b"] = proj.bias
             del model.confidence_head
         # slot j's confidence reads draft j-1's Markov embedding
-        self.confidence_reads_drafts = bool(
-            isinstance(algorithm, DSpark)
-            and algorithm.confidence_head
-            and algorithm.confidence_head_with_markov
-            and algorithm.markov_rank
-        )
+        self.confidence_reads_drafts = "conf_e" in fast
         if mx.default_device().type == mx.cpu:
             model.fc = TransposedLinear(model.fc)
             for layer in model.layers:

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
-from woodcock.jsonfile import jsonl_records, read_json_object, write_json
+from woodcock.jsonfile import is_int_list, jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
 from woodcock.runtime.generate import encode_messages, encode_prompt
 from woodcock.runtime.greedy_batch import greedy_answers
@@ -191,14 +191,8 @@ def _valid_answer(row) -> bool:
     return (
         isinstance(row, dict)
         and isinstance(row.get("id"), str)
-        and _int_list(row.get("prompt_ids"))
-        and _int_list(row.get("answer_ids"))
-    )
-
-
-def _int_list(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+        and is_int_list(row.get("prompt_ids"))
+        and is_int_list(row.get("answer_ids"))
     )
 
 

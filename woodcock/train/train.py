@@ -93,11 +93,12 @@ def train(opts: TrainOptions, progress: Progress | None = None) -> TrainReport:
     if opts.target is None:
         opts = dataclasses.replace(opts, target=resolve_target(None))
     report = TrainReport(wrote=group.writes)
-    data = _load_data(opts)
+    target_facts = target_from_config(opts.target)
+    data = _load_data(opts, target_facts.vocab_size)
 
     # the target is loaded even when every feature is cached: its embedding and head are needed
     started = time.perf_counter()
-    num_layers = target_from_config(opts.target).num_hidden_layers
+    num_layers = target_facts.num_hidden_layers
     init, init_record = load_init(opts) if opts.init is not None else (None, None)
     taps = _taps(opts, init, num_layers)
     runner, cache = _target_features(opts, taps, data, progress, group)
@@ -188,8 +189,7 @@ def _claim_paths(opts: TrainOptions, writes: bool) -> Path:
     return ckpt
 
 
-def _load_data(opts: TrainOptions) -> TrainingData:
-    vocab_size = target_from_config(opts.target).vocab_size
+def _load_data(opts: TrainOptions, vocab_size: int) -> TrainingData:
     samples = load_samples(opts.data, opts.max_len, vocab_size=vocab_size)
     train_samples, holdout = holdout_split(samples, opts.holdout)
     if opts.is_block and not any(
