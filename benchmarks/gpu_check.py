@@ -5,8 +5,9 @@ what an fp32 final norm and head would change of it for bf16 (benchmarks/head_no
 default, then bf16, then fp32 with --allow-tf32), `woodcock latency`, a round's host and device
 time with each drafter in fp32 and bf16 (benchmarks/round_profile.py), batched rounds of 4
 requests drafting together or one after another with each drafter (benchmarks/batch_bench.py),
-and what prefilling 4 prompts in one forward would do to their first tokens, in fp32 and bf16
-(benchmarks/prefill_batch.py).
+what prefilling 4 prompts in one forward would do to their first tokens, in fp32 and bf16
+(benchmarks/prefill_batch.py), and one prompt's prefill in a GPU's chunks or the CPU's
+(benchmarks/prefill_chunks.py).
 
     python3 benchmarks/gpu_check.py [--out DIR] [--budget SECONDS] [--small]
 
@@ -50,6 +51,7 @@ FULL = {
     "clients": 4,
     "rounds": 32,
     "lengths": "32,64,128,256",
+    "chunk_lengths": "512,2048,4096",
 }
 SMALL = {
     "prompts": 1,
@@ -60,6 +62,7 @@ SMALL = {
     "clients": 2,
     "rounds": 8,
     "lengths": "8",
+    "chunk_lengths": "9,300",
 }
 
 NOISE = """
@@ -184,6 +187,16 @@ def main() -> int:
             tables.append(f"Prefill in turn or together (benchmarks/prefill_batch.py):\n"
                           f"{done.stdout.strip()}")  # fmt: skip
 
+    chunks = {}  # one prompt prefilled 512 tokens a forward (a GPU's) or in the CPU's chunks
+    found = steps.logs / "prefill-chunks.json"
+    argv = [sys.executable, str(Path(__file__).with_name("prefill_chunks.py")), *target]
+    argv += ["--lengths", settings["chunk_lengths"], "--repeats", str(settings["repeats"])]
+    done = run("prefill-chunks", [*argv, "--json", str(found)], 60)
+    if done is not None and found.exists():
+        chunks = json.loads(found.read_text())
+        tables.append(f"One prompt's prefill by chunk (benchmarks/prefill_chunks.py):\n"
+                      f"{done.stdout.strip()}")  # fmt: skip
+
     summary = "\n\n".join([render(facts, noise, benches, steps), *tables])
     (out / "summary.txt").write_text(summary + "\n")
     (out / "summary.json").write_text(
@@ -196,6 +209,7 @@ def main() -> int:
                 "batch": batched,
                 "round_profile": profiles,
                 "prefill": prefills,
+                "prefill_chunks": chunks,
                 "steps": steps.done,
             },
             indent=2,

@@ -14,6 +14,7 @@ from mlx_targets import tiny_target
 from woodcock.errors import DrafterError
 from woodcock.runtime import greedy_batch
 from woodcock.runtime.greedy_batch import greedy_answers
+from woodcock.runtime.prefill import CPU_SIZES, GPU_SIZES, PrefillSizes
 from woodcock.runtime.target import MlxTarget
 
 MAX_TOKENS = 14
@@ -45,23 +46,26 @@ def case():
 
 
 @pytest.mark.parametrize(
-    "batch, chunk, budget, padding",
+    "batch, sizes, padding",
     [
-        (1, 512, 16384, 1.25),
-        (3, 7, 20, 1.25),
-        (5, 512, 16384, 1.25),
-        (20, 4, 64, 99),
-        (20, 512, 16384, 99),
+        (1, GPU_SIZES, 1.25),
+        (1, CPU_SIZES, 1.25),
+        (3, PrefillSizes(chunk=7, long_chunk=7, scores=0, group_tokens=20), 1.25),
+        (3, PrefillSizes(chunk=8, long_chunk=3, scores=200, group_tokens=24), 99),
+        (5, GPU_SIZES, 1.25),
+        (20, PrefillSizes(chunk=4, long_chunk=4, scores=0, group_tokens=64), 99),
+        (20, GPU_SIZES, 99),
+        (20, CPU_SIZES, 99),
     ],
 )
-def test_answers_equal_one_prompt_at_a_time(case, monkeypatch, batch, chunk, budget, padding):
+def test_answers_equal_one_prompt_at_a_time(case, monkeypatch, batch, sizes, padding):
     model, prompts, stop, expected = case
-    monkeypatch.setattr(greedy_batch, "PREFILL_CHUNK", chunk)
-    monkeypatch.setattr(greedy_batch, "PREFILL_TOKENS", budget)
     monkeypatch.setattr(greedy_batch, "PADDING", padding)
     target = MlxTarget(model, ())
     answers = list(
-        greedy_answers(target, prompts, batch=batch, max_tokens=MAX_TOKENS, stop_ids=stop)
+        greedy_answers(
+            target, prompts, batch=batch, max_tokens=MAX_TOKENS, stop_ids=stop, sizes=sizes
+        )
     )
     assert sorted(a.index for a in answers) == list(range(len(prompts)))
     for answer in answers:
@@ -85,23 +89,22 @@ def test_one_token_answers_and_a_first_token_that_stops(case):
 
 
 def test_prefill_groups_fit_the_padded_token_budget(monkeypatch):
-    monkeypatch.setattr(greedy_batch, "PREFILL_CHUNK", 10)
-    monkeypatch.setattr(greedy_batch, "PREFILL_TOKENS", 30)
+    sizes = PrefillSizes(chunk=10, long_chunk=10, scores=0, group_tokens=30)
     monkeypatch.setattr(greedy_batch, "PADDING", 99)
     prompts = [[1] * n for n in (3, 4, 25, 2, 9, 1)]
     waiting = list(range(len(prompts)))[::-1]
     groups = []
     while waiting:
-        groups.append(greedy_batch._take_group(prompts, waiting, room=4))
+        groups.append(greedy_batch._take_group(prompts, waiting, 4, sizes))
     # widths are capped at a chunk: (3, 4) then 25 -> 10 wide, 3 x 10 fits, a 4th would not
     assert groups == [[0, 1, 2], [3, 4, 5]]
-    assert greedy_batch._take_group([[1] * 99], [0], room=4) == [0]  # one always goes
+    assert greedy_batch._take_group([[1] * 99], [0], 4, sizes) == [0]  # one always goes
     # padding: 4 + 5 + 9 tokens padded to 3 x 9 = 27 > 1.25 x 18, so 9 waits
     monkeypatch.setattr(greedy_batch, "PADDING", 1.25)
     prompts = [[1] * n for n in (4, 5, 9, 9)]
     waiting = [3, 2, 1, 0]
-    assert greedy_batch._take_group(prompts, waiting, room=4) == [0, 1]
-    assert greedy_batch._take_group(prompts, waiting, room=4) == [2, 3]
+    assert greedy_batch._take_group(prompts, waiting, 4, sizes) == [0, 1]
+    assert greedy_batch._take_group(prompts, waiting, 4, sizes) == [2, 3]
 
 
 def test_a_model_without_plain_kv_caches_is_refused():

@@ -1,6 +1,6 @@
-"""benchmarks/round_profile.py, benchmarks/head_noise.py and benchmarks/prefill_batch.py, steps
-of the GPU check, run on the CPU with the demo pair: a GPU lease is too short to find a broken
-script there; benchmarks/family_sweep.py on one family."""
+"""benchmarks/round_profile.py, benchmarks/head_noise.py, benchmarks/prefill_batch.py and
+benchmarks/prefill_chunks.py, steps of the GPU check, run on the CPU with the demo pair: a GPU
+lease is too short to find a broken script there; benchmarks/family_sweep.py on one family."""
 
 import json
 import subprocess
@@ -65,6 +65,20 @@ def test_prefill_batch_on_the_demo_target(tmp_path):
     for row in found["rows"]:
         assert row["alone_ms"] > 0 and row["together_ms"] > 0 and row["in_turn_mean"] == 2
         assert row["together_mean"] == pytest.approx(row["together_ms"] / row["alone_ms"])
+
+
+def test_prefill_chunks_on_the_demo_target(tmp_path):
+    write_demo(tmp_path / "demo")
+    found = run_script(
+        "prefill_chunks.py",
+        *("--target", str(tmp_path / "demo" / "target"), "--lengths", "9,300"),
+        *("--repeats", "2", "--json", str(tmp_path / "chunks.json")),
+    )
+    assert found["dtype"] == "float32" and [r["tokens"] for r in found["rows"]] == [9, 300]
+    assert [(r["gpu_forwards"], r["cpu_forwards"]) for r in found["rows"]] == [(1, 1), (1, 2)]
+    for row in found["rows"]:
+        assert row["gpu_ms"] > 0 and row["cpu_ms"] > 0
+        assert row["cpu_speedup"] == pytest.approx(row["gpu_ms"] / row["cpu_ms"])
 
 
 @pytest.mark.slow

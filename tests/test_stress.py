@@ -22,11 +22,12 @@ from stats_helpers import chi_square_exceeds, exact_marginals
 from woodcock.demo import bigram_drafter, write_tiny_target
 from woodcock.errors import DrafterError
 from woodcock.runtime.block import BlockDrafter
-from woodcock.runtime.decode import PREFILL_CHUNK, Stats, speculative_generate_step
+from woodcock.runtime.decode import Stats, speculative_generate_step
 from woodcock.runtime.eagle3 import Eagle3Drafter
 from woodcock.runtime.generate import finish_text
 from woodcock.runtime.ngram import NgramDrafter
 from woodcock.runtime.policy import FixedPolicy
+from woodcock.runtime.prefill import prefill_sizes
 from woodcock.runtime.sampling import Sampling
 from woodcock.runtime.target import MlxTarget
 from woodcock.synthetic import random_drafter, tiny_spec
@@ -114,7 +115,10 @@ def test_every_draft_length_from_1_to_16(model, pair):
 def test_prompts_longer_than_the_prefill_chunk_and_the_drafter_window(model, kind):
     target, drafter = runtime_drafter(kind, model, window=24)
     rng = np.random.default_rng(1)
-    for length in (PREFILL_CHUNK + 1, 2 * PREFILL_CHUNK + 37):
+    # one token past the first prefill forward, and into the fourth (on a CPU: of the shorter
+    # chunks taken once the keys are many)
+    spans = prefill_sizes().spans(1 << 12)
+    for length in (spans[0][1] + 1, spans[3][0] + 37):
         prompt = rng.integers(0, model.args.vocab_size, length).tolist()
         got = generate_tokens(prompt, target, drafter, max_tokens=48, num_draft=5)
         assert got == plain_greedy(model, prompt, 48), length
@@ -310,7 +314,7 @@ def test_sampling_with_a_rotating_cache_target_follows_the_target():
 def test_long_generations_from_long_prompts_at_every_draft_length(model, kind):
     target, drafter = runtime_drafter(kind, model, window=24)
     rng = np.random.default_rng(7)
-    prompt = rng.integers(0, model.args.vocab_size, 2 * PREFILL_CHUNK + 5).tolist()
+    prompt = rng.integers(0, model.args.vocab_size, 2 * prefill_sizes().chunk + 5).tolist()
     expected = plain_greedy(model, prompt, 160)  # the drafter's window of 24 wraps 6 times
     for k in range(1, 17):
         got = generate_tokens(prompt, target, drafter, max_tokens=160, policy=FixedPolicy(k))

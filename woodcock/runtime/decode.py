@@ -20,6 +20,7 @@ import numpy as np
 from woodcock.runtime import block, eagle3
 from woodcock.runtime.batch import SequenceBatch
 from woodcock.runtime.ngram import PromptLookup
+from woodcock.runtime.prefill import PrefillSizes, prefill_sizes
 from woodcock.runtime.sampling import (
     LogitsProcessor,
     Sampling,
@@ -29,7 +30,6 @@ from woodcock.runtime.sampling import (
 )
 from woodcock.runtime.target import MlxTarget
 
-PREFILL_CHUNK = 512
 DRAFTING_TOGETHER = (eagle3, block)  # modules whose drafters of a batch can draft together
 MAX_PROPOSAL = 1 << 30  # no limit on a round's proposal but the policy's
 GREEDY = Sampling()
@@ -546,15 +546,19 @@ class Proposal:
 
 
 def _prefill(
-    target: MlxTarget, prompt: mx.array, cancelled: Callable[[], bool] | None = None
+    target: MlxTarget,
+    prompt: mx.array,
+    cancelled: Callable[[], bool] | None = None,
+    sizes: PrefillSizes | None = None,
 ) -> tuple[mx.array, mx.array] | None:
-    """Run the prompt through the target in chunks: (last logits [V], taps [P, A*Ht]), or None
-    when `cancelled` says so before a chunk."""
+    """Run the prompt through the target in chunks (the backend's unless `sizes` says): (last
+    logits [V], taps [P, A*Ht]), or None when `cancelled` says so before a chunk."""
     taps = []
-    for start in range(0, prompt.shape[0], PREFILL_CHUNK):
+    sizes = sizes or prefill_sizes()
+    for start, end in sizes.spans(prompt.shape[0], cached=target.offset):
         if cancelled is not None and cancelled():
             return None
-        logits, chunk_taps = target.prefill(prompt[start : start + PREFILL_CHUNK])
+        logits, chunk_taps = target.prefill(prompt[start:end])
         mx.eval(logits, chunk_taps)
         taps.append(chunk_taps)
     return logits, mx.concatenate(taps, axis=0)

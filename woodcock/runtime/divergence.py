@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from woodcock.runtime.decode import PREFILL_CHUNK, Stats
+from woodcock.runtime.decode import Stats
+from woodcock.runtime.prefill import prefill_sizes
 from woodcock.runtime.target import MlxTarget
 
 NOISE_WINDOWS = 4  # verify-sized windows the noise is measured over
@@ -124,8 +125,8 @@ def verify_logits(
     forward has, not on the later rows' tokens, so rows past the known tokens repeat the last."""
     target.reset()
     rows = mx.array(prompt, mx.int32)
-    for start in range(0, len(prompt), PREFILL_CHUNK):
-        logits, _ = target.forward(rows[start : start + PREFILL_CHUNK])
+    for start, end in prefill_sizes().spans(len(prompt)):
+        logits, _ = target.forward(rows[start:end])
         mx.eval(logits)
     if position == 0:
         return logits[-1], logits.shape[0]

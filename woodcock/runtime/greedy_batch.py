@@ -3,10 +3,11 @@
 Up to `batch` answers decode in one woodcock.runtime.batch SequenceBatch (every sequence from
 position 0 of its own row); a finished answer leaves at once and the next prompts join,
 shortest first, in groups prefilled together in a batch of their own (padded to the group's
-longest, in chunks; only the caches are computed, not the prompt positions' logits) and then
-copied into free rows. A step feeds every row its newest token and takes the argmax of the
-logits; nothing per row is computed but that argmax (no log-probabilities), and the host reads
-one step's tokens while the device runs the next (a finished row costs one wasted position).
+longest, in the backend's chunks, woodcock.runtime.prefill; only the caches are computed, not
+the prompt positions' logits) and then copied into free rows. A step feeds every row its
+newest token and takes the argmax of the logits; nothing per row is computed but that argmax
+(no log-probabilities), and the host reads one step's tokens while the device runs the next (a
+finished row costs one wasted position).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from woodcock.runtime.batch import SequenceBatch
+from woodcock.runtime.prefill import PrefillSizes, prefill_sizes
 from woodcock.runtime.target import MlxTarget
 
-PREFILL_CHUNK = 512  # a prompt's tokens per prefill forward
-PREFILL_TOKENS = 16384  # padded tokens per prefill forward (group size x chunk)
 PADDING = 1.25  # most padded tokens per prompt token in a prefill group
 
 
@@ -45,9 +45,12 @@ def greedy_answers(
     batch: int,
     max_tokens: int,
     stop_ids: Sequence[int],
+    sizes: PrefillSizes | None = None,
 ) -> Iterator[Answer]:
     """Each prompt's greedy answer (at most `max_tokens` tokens, ending at the first of
-    `stop_ids`), yielded as it finishes: the order is not the prompts'."""
+    `stop_ids`), yielded as it finishes: the order is not the prompts'. sizes: how prompts are
+    prefilled (default: the backend's)."""
+    sizes = sizes or prefill_sizes()
     stop = set(stop_ids)
     # shortest first (popped from the end): a group's prompts are about as long as each other,
     # so padding them to the longest costs little (on a 2-core CPU prefill is most of the time)
@@ -57,8 +60,9 @@ def greedy_answers(
     newest = mx.zeros((0,), mx.int32)  # [B] each row's newest token, fed in the next step
     while waiting or decoding:
         if waiting and len(decoding) < batch:
-            group = _take_group(prompts, waiting, batch - len(decoding))
-            newest = mx.concatenate([newest, _prefill_into(rows, [prompts[i] for i in group])])
+            group = _take_group(prompts, waiting, batch - len(decoding), sizes)
+            prefilled = _prefill_into(rows, [prompts[i] for i in group], sizes)
+            newest = mx.concatenate([newest, prefilled])
             decoding += [_Row(Answer(i, [], "")) for i in group]
         logits, _ = rows.forward_equal(newest[:, None])  # [B, 1, V]
         following = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)  # [B]
@@ -79,24 +83,26 @@ def greedy_answers(
             newest = _drop_rows(rows, decoding, newest, finished)
 
 
-def _take_group(prompts, waiting: list[int], room: int) -> list[int]:
+def _take_group(prompts, waiting: list[int], room: int, sizes: PrefillSizes) -> list[int]:
     """The next waiting prompts to prefill together (always one): at most `room`, as many as fit
-    PREFILL_TOKENS padded tokens a chunk, and padded to no more than PADDING times their own
+    the sizes' group tokens in a first chunk, and padded to no more than PADDING times their own
     tokens (the rest join at the next step)."""
     group = [waiting.pop()]
-    width = real = min(len(prompts[group[0]]), PREFILL_CHUNK)
+    width = real = min(len(prompts[group[0]]), sizes.chunk)
     while waiting and len(group) < room:
-        length = min(len(prompts[waiting[-1]]), PREFILL_CHUNK)
+        length = min(len(prompts[waiting[-1]]), sizes.chunk)
         wider = max(width, length)
         padded = (len(group) + 1) * wider
-        if padded > PREFILL_TOKENS or padded > PADDING * (real + length):
+        if padded > sizes.group_tokens or padded > PADDING * (real + length):
             break
         group.append(waiting.pop())
         width, real = wider, real + length
     return group
 
 
-def _prefill_into(rows: SequenceBatch, prompts: list[Sequence[int]]) -> mx.array:
+def _prefill_into(
+    rows: SequenceBatch, prompts: list[Sequence[int]], sizes: PrefillSizes
+) -> mx.array:
     """Prefill all but the last token of `prompts` together and add them to `rows`: their last
     tokens [G], which the next step feeds. Only the caches are evaluated: the logits of the
     prompts' positions (a vocabulary-wide matmul per token) are never computed."""
@@ -104,8 +110,8 @@ def _prefill_into(rows: SequenceBatch, prompts: list[Sequence[int]]) -> mx.array
     group = SequenceBatch(target, len(prompts))
     slots = [group.add([KVCache() for _ in target.cache]) for _ in prompts]
     heads = [p[:-1] for p in prompts]
-    for start in range(0, max(len(h) for h in heads), PREFILL_CHUNK):
-        group.forward([mx.array(list(h[start : start + PREFILL_CHUNK]), mx.int32) for h in heads])
+    for start, end in sizes.spans(max(len(h) for h in heads), rows=len(heads)):
+        group.forward([mx.array(list(h[start:end]), mx.int32) for h in heads])
         mx.eval([(layer.keys, layer.values) for layer in group.caches])
     for slot in slots:
         rows.add([layer.read_row(slot.row, slot.offset) for layer in group.caches])
