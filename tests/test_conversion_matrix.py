@@ -392,6 +392,13 @@ def test_the_summary_names_what_the_output_format_does_not_keep(tmp_path, capsys
     assert code == 0, err
     assert "speculative_tokens 5 (read back as 3)" in out.splitlines()[-1]
     code, out, err = run(
+        ["convert", str(source), str(tmp_path / "dry"), "--to", "speculators", "--dry-run"],
+        capsys,
+    )
+    assert code == 0 and out.splitlines()[0].startswith("dry run: nothing written"), err
+    assert out.splitlines()[-1].startswith("not kept by speculators") and "token counts" in out
+    assert not (tmp_path / "dry").exists()
+    code, out, err = run(
         ["convert", str(source), str(tmp_path / "same"), "--to", "woodcock"], capsys
     )
     assert code == 0 and "not kept" not in out

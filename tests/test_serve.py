@@ -569,6 +569,7 @@ BAD_REQUESTS = [
     ("no prompt", "/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
     ("prompt batch", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "a batch of 2 prompts"),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", "token id 99999"),
+    ("token id past int64", "/v1/completions", {"prompt": [2**64]}, 400, "prompt", f"token id {2**64}"),
     ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ("zero max_completion_tokens", "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens", ">= 1"),
     ("max_tokens a string", "/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "got a string"),

@@ -296,9 +296,10 @@ def test_vocab_count_jsonl_of_token_ids(target_dir, tmp_path, capsys):
     assert np.array_equal(loaded.counts.counts, np.bincount(np.concatenate(lines), minlength=vocab))
     assert not loaded.holdout.any()
     assert set(loaded.counts.info["holdout_coverage"].values()) == {None}
-    corpus.write_text(json.dumps([1, 2, vocab]) + "\n")
-    code, _, err = run([*argv, "--force"], capsys)
-    assert code == 2 and f"ids.jsonl:1: token id {vocab} is outside the target vocabulary" in err
+    for bad in (vocab, -1, 2**64):  # 2**64: past any int64, named like the others
+        corpus.write_text(json.dumps([1, 2, bad]) + "\n")
+        code, _, err = run([*argv, "--force"], capsys)
+        assert code == 2 and f"ids.jsonl:1: token id {bad} is outside the target vocabulary" in err
     for record, message in [
         ({"token_ids": "1 2 3"}, "ids.jsonl:1: token_ids must be a list of token ids, found str"),
         ({"text": [1, 2]}, "ids.jsonl:1: text must be a string, found list"),

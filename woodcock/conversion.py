@@ -4,6 +4,7 @@ target's recorded name), then write it in another format, or say what would be w
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,24 +88,34 @@ def convert(
         drafter, vocab_line = apply_options(drafter, truncate_vocab, counts, expand_vocab)
         if dtype is not None:
             drafter = cast(drafter, dtype)
+        if target_name is not None:
+            drafter = rename_target(drafter, target_name)
         plan = None
         if dry_run:
             plan = dry_run_plan(source, original, reader, drafter, writer, dest)
+        elif reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
+            provenance = reader.read_provenance(source_path)
+            writer.write(drafter, Path(dest), force=force, provenance=provenance)
         else:
-            if target_name is not None:
-                drafter = rename_target(drafter, target_name)
-            if reader.NAME == writer.NAME == "woodcock":  # keep how the drafter was made
-                provenance = reader.read_provenance(source_path)
-                writer.write(drafter, Path(dest), force=force, provenance=provenance)
-            else:
-                writer.write(drafter, Path(dest), force=force)
+            writer.write(drafter, Path(dest), force=force)
     unkept: tuple[str, ...] = ()
-    if plan is None and writer.NAME != "woodcock":  # the native format keeps everything
-        written = load_drafter(Path(dest), writer.NAME, taps=drafter.spec.taps.layer_ids)
-        unkept = unkept_facts(drafter, written)
+    if writer.NAME != "woodcock":  # the native format keeps everything
+        unkept = _unkept(drafter, writer, None if dry_run else Path(dest))
     return Conversion(
         str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan, unkept
     )
+
+
+def _unkept(drafter: Drafter, writer, dest: Path | None) -> tuple[str, ...]:
+    """unkept_facts of the output at `dest`; for a dry run (dest None), of a copy written to a
+    scratch directory and removed at once: what a writer keeps is known only by writing."""
+    taps = drafter.spec.taps.layer_ids
+    if dest is not None:
+        return unkept_facts(drafter, load_drafter(dest, writer.NAME, taps=taps))
+    with tempfile.TemporaryDirectory(prefix="woodcock-dry-run-") as scratch:
+        trial = Path(scratch) / "drafter"
+        writer.write(drafter, trial)
+        return unkept_facts(drafter, load_drafter(trial, writer.NAME, taps=taps))
 
 
 def unkept_facts(drafter: Drafter, written: Drafter) -> tuple[str, ...]:

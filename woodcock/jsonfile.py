@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,13 @@ def is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     )
+
+
+def outside_range(ids: Sequence[int], size: int) -> int | None:
+    """The first of `ids` not a token of a `size`-token vocabulary (not in [0, size)), else
+    None. Plain integers: JSON's are unbounded, and one past int64 must be named, not crash a
+    conversion to an array."""
+    return next((t for t in ids if not 0 <= t < size), None)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -27,7 +27,7 @@ import typer
 
 from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO, coverage_by_size
 from woodcock.errors import DrafterError
-from woodcock.jsonfile import is_int_list, jsonl_records
+from woodcock.jsonfile import is_int_list, jsonl_records, outside_range
 from woodcock.provenance import portable_path
 from woodcock.staging import staged_file
 
@@ -130,13 +130,12 @@ def count_tokens(
             segments[is_holdout] += 1
             if not ids:
                 continue
-            array = np.asarray(ids, dtype=np.int64)
-            if array.min() < 0 or array.max() >= vocab:
-                bad = int(array[(array < 0) | (array >= vocab)][0])
+            bad = outside_range(ids, vocab)
+            if bad is not None:
                 raise DrafterError(
                     f"{where}: token id {bad} is outside the target vocabulary [0, {vocab})"
                 )
-            pending[is_holdout].append(array)
+            pending[is_holdout].append(np.asarray(ids, dtype=np.int64))
             if len(pending[is_holdout]) >= 4096:
                 flush(is_holdout)
     flush(False)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from woodcock.jsonfile import is_int_list, outside_range
 from woodcock.runtime.generate import encode_messages
 
 DEFAULT_MAX_TOKENS = 512  # when a request names no limit (as mlx_lm.server)
@@ -327,13 +328,11 @@ def _prompt_ids(body: dict, facts: ModelFacts) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         ids = list(facts.tokenizer.encode(prompt, add_special_tokens=True))
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        bad = [t for t in prompt if not 0 <= t < facts.vocab_size]
-        if bad:
+    elif is_int_list(prompt):
+        bad = outside_range(prompt, facts.vocab_size)
+        if bad is not None:
             raise RequestError(
-                f"prompt: token id {bad[0]}: expected ids in [0, {facts.vocab_size})",
+                f"prompt: token id {bad}: expected ids in [0, {facts.vocab_size})",
                 param="prompt",
                 code="invalid_value",
             )

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
+from woodcock.jsonfile import outside_range
 from woodcock.train.distill import META, answer_records
 from woodcock.train.features import from_fp16
 
@@ -55,8 +56,8 @@ def load_samples(data: Path, max_len: int, *, vocab_size: int) -> list[Sample]:
 def _refuse_outside_vocabulary(where: str, key: str, ids: list[int], vocab_size: int) -> None:
     # the target's forward does not check its ids: one past the embedding crashed it (a
     # segfault, not an error), and a negative one failed later, in the head's token counts
-    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
+    bad = outside_range(ids, vocab_size)
+    if bad is not None:
         raise DrafterError(
             f"{where}: {key} holds token id {bad}; expected ids in [0, {vocab_size}),"
             " the target's vocabulary"
