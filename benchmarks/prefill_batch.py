@@ -49,6 +49,23 @@ def prefill_seconds(model, ids: mx.array, repeats: int) -> float:
     return median(once() for _ in range(repeats))
 
 
+def load_model(target: str | None, dtype: str | None):
+    """(model, the name of its floating-point dtype): the target (default: the default target),
+    cast to `dtype` (default: as woodcock's)."""
+    model, _ = load(resolve_target(target))
+    cast = default_dtype(dtype)
+    if cast is not None:
+        model.set_dtype(cast)
+    floating = (
+        w for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)
+    )
+    return model, str(next(floating).dtype).removeprefix("mlx.core.")
+
+
+def machine() -> str:
+    return f"{cpu_model() or platform.machine()}, {describe(report())}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", help="mlx-lm model (default: the default target)")
@@ -61,10 +78,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.rows < 2 or min(lengths) < 1:
         parser.error("--rows must be at least 2 and every --lengths value at least 1")
-    model, _ = load(resolve_target(args.target))
-    dtype = default_dtype(args.dtype)
-    if dtype is not None:
-        model.set_dtype(dtype)
+    model, dtype_name = load_model(args.target, args.dtype)
     vocab = model.args.vocab_size
     rows = []
     for length in lengths:
@@ -81,13 +95,8 @@ def main() -> None:
                 "together_mean": together / alone,
             }
         )
-    machine = f"{cpu_model() or platform.machine()}, {describe(report())}"
-    floating = (
-        w for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)
-    )
-    dtype_name = str(next(floating).dtype).removeprefix("mlx.core.")
     name = args.target or "the default target"
-    print(f"{name}, {dtype_name}, {machine}; median of {args.repeats}")
+    print(f"{name}, {dtype_name}, {machine()}; median of {args.repeats}")
     print(f"| tokens | 1 prompt ms | {args.rows} together ms | mean first token, in lone prefills:"
           " in turn | together |")  # fmt: skip
     print("| --- | --- | --- | --- | --- |")
@@ -98,7 +107,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"machine": machine, "dtype": dtype_name, "rows": rows}, file, indent=2)
+            json.dump({"machine": machine(), "dtype": dtype_name, "rows": rows}, file, indent=2)
 
 
 if __name__ == "__main__":

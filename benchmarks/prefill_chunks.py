@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from statistics import median
 
 import woodcock  # noqa: F401
 import mlx.core as mx
-from mlx.utils import tree_flatten
-from mlx_lm import load
+from prefill_batch import load_model, machine
 
-from woodcock.default_target import resolve_target
-from woodcock.runtime.backend import describe, report
 from woodcock.runtime.decode import _prefill
-from woodcock.runtime.machine import cpu_model
 from woodcock.runtime.prefill import CPU_SIZES, GPU_SIZES, PrefillSizes
-from woodcock.runtime.session import default_dtype
 from woodcock.runtime.target import MlxTarget
 
 CUTS = {"gpu": GPU_SIZES, "cpu": CPU_SIZES}
@@ -53,10 +47,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.repeats < 1 or min(lengths) < 1:
         parser.error("--repeats and every --lengths value must be at least 1")
-    model, _ = load(resolve_target(args.target))
-    dtype = default_dtype(args.dtype)
-    if dtype is not None:
-        model.set_dtype(dtype)
+    model, dtype_name = load_model(args.target, args.dtype)
     target = MlxTarget(model, ())
     vocab = model.args.vocab_size
     for sizes in CUTS.values():  # a GPU compiles its kernels for a shape on first use
@@ -75,13 +66,8 @@ def main() -> None:
             row[f"{name}_ms"] = 1000 * median(seconds[name])
         row["cpu_speedup"] = row["gpu_ms"] / row["cpu_ms"]
         rows.append(row)
-    machine = f"{cpu_model() or platform.machine()}, {describe(report())}"
-    floating = (
-        w for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)
-    )
-    dtype_name = str(next(floating).dtype).removeprefix("mlx.core.")
     name = args.target or "the default target"
-    print(f"{name}, {dtype_name}, {machine}; median of {args.repeats}, alternating")
+    print(f"{name}, {dtype_name}, {machine()}; median of {args.repeats}, alternating")
     print("| tokens | 512 a forward | ms | 256, then 128 (the CPU's) | ms | faster |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -91,7 +77,7 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"machine": machine, "dtype": dtype_name, "rows": rows}, file, indent=2)
+            json.dump({"machine": machine(), "dtype": dtype_name, "rows": rows}, file, indent=2)
 
 
 if __name__ == "__main__":
