@@ -53,7 +53,7 @@ def greedy_answers(
     sizes = sizes or prefill_sizes()
     stop = set(stop_ids)
     # shortest first (popped from the end): a group's prompts are about as long as each other,
-    # so padding them to the longest costs little (on a 2-core CPU prefill is most of the time)
+    # so padding them to the longest costs little
     waiting = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     rows = SequenceBatch(target, batch)
     decoding: list[_Row] = []  # row i's answer so far
