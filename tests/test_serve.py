@@ -3,6 +3,7 @@ the offline demo pair, greedy answers equal to `woodcock generate` and to plain 
 queue, cancellation, the prompt cache, and the bad-request table; the loop's prefix reuse and
 cancellation hook on every kind of drafter."""
 
+import codecs
 import http.client
 import json
 import os
@@ -25,6 +26,7 @@ from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, speculative_generate_step
 from woodcock.runtime.generate import (
     TextStream,
+    TokenLogprob,
     encode_messages,
     encode_prompt,
     generate,
@@ -32,6 +34,7 @@ from woodcock.runtime.generate import (
 )
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
+from woodcock.serve.openai import TextOffsets, completion_logprobs
 
 CONTEXT = 1024  # the demo target's context, made small enough to exceed in a test
 TIMEOUT = 30.0  # seconds any one HTTP exchange may take
@@ -240,6 +243,8 @@ def test_stop_strings_seeds_and_sampling(server, session):
         ).choices[0].text
 
     assert sampled(3) == sampled(3)  # the seed fixes the draws, whatever ran before
+    # OpenAI's seeds are signed 64-bit integers: the negative ones are seeds too
+    assert sampled(-1) == sampled(-1) and sampled(-(2**63)) == sampled(-(2**63))
 
 
 def test_models_health_and_metrics(server):
@@ -478,7 +483,12 @@ def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(server, session
     assert answer.choices[0].text == expected and len(logprobs.tokens) == len(rows)
     assert np.allclose(logprobs.token_logprobs, rows.max(axis=-1), atol=2e-4)
     assert all(len(top) <= 2 and top[token] == value for top, token, value in zip(logprobs.top_logprobs, logprobs.tokens, logprobs.token_logprobs, strict=True))
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    # each token's offset: the characters of the answer its predecessors' bytes complete (this
+    # random target's answer holds tokens that are parts of characters)
+    decoder, completed = codecs.getincrementaldecoder("utf-8")("replace"), [0]
+    for piece in token_bytes(session.tokenizer, rows.argmax(axis=-1).tolist()):
+        completed.append(completed[-1] + len(decoder.decode(piece)))
+    assert logprobs.text_offset == completed[:-1] and completed[-2] <= len(expected)
     chunks = client.completions.create(model=server.model, prompt="Paris is", max_tokens=16, logprobs=0, stream=True)
     tokens, values, offsets = [], [], []
     for chunk in chunks:
@@ -489,6 +499,18 @@ def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(server, session
     assert (tokens, offsets) == (logprobs.tokens, logprobs.text_offset)
     assert np.allclose(values, rows.max(axis=-1), atol=2e-4)
     assert client.completions.create(model=server.model, prompt="Paris is", max_tokens=4).choices[0].logprobs is None
+
+
+def test_text_offsets_count_a_character_split_over_tokens_once():
+    # "\ufffd" (a lone continuation byte), "\u00e9" twice over two tokens each, a last lead byte
+    pieces = [b"\xa9", b"\xc3", b"\xa9", b"\xc3", b"\xa9", b"\xc3"]
+    entries = [TokenLogprob(i, "\ufffd", raw, -1.0, []) for i, raw in enumerate(pieces)]
+    assert completion_logprobs(entries)["text_offset"] == [0, 1, 1, 2, 2, 3]
+    offsets = TextOffsets()  # a stream's chunks share the offsets, a character split across two
+    chunks = [completion_logprobs(entries[:2], offsets), completion_logprobs(entries[2:], offsets)]
+    assert [o for c in chunks for o in c["text_offset"]] == [0, 1, 1, 2, 2, 3]
+    words = [TokenLogprob(0, " the", b" the", -1.0, []), TokenLogprob(1, " end", b" end", -1.0, [])]
+    assert completion_logprobs(words)["text_offset"] == [0, 4]
 
 
 def test_a_completion_continues_its_prompt_leading_space_included(server, plain_server, session):
@@ -578,6 +600,7 @@ BAD_REQUESTS = [
     ("negative top_k", "/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", ">= 0"),
     ("min_p a boolean", "/v1/completions", {"prompt": "x", "min_p": True}, 400, "min_p", "got a boolean"),
     ("seed a string", "/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", "expected an integer"),
+    ("seed past int64", "/v1/completions", {"prompt": "x", "seed": 2**63}, 400, "seed", "expected an integer in"),
     ("n of 2", "/v1/chat/completions", {"messages": USER, "n": 2}, 400, "n", "n = 2"),
     ("empty stop", "/v1/completions", {"prompt": "x", "stop": ["a", ""]}, 400, "stop", "empty stop"),
     ("stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected a string or an array"),

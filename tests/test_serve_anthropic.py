@@ -149,6 +149,19 @@ def test_count_tokens(server, session):
         client(server).messages.count_tokens(model=server.model, messages=QUESTION, tools=[{"name": "f", "input_schema": {"type": "object"}}])
 
 
+def test_consecutive_turns_of_one_role_are_one_turn(server, session):
+    split = [{"role": "user", "content": "The quick"}, {"role": "user", "content": [{"type": "text", "text": " brown"}]}]
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "The quick"}, {"type": "text", "text": " brown"}]}]
+    whole = len(encode_messages(session.tokenizer, QUESTION))
+    for messages in (split, blocks):
+        assert client(server).messages.count_tokens(model=server.model, messages=messages).input_tokens == whole
+    greedy = {"extra_body": {"temperature": 0}}
+    assert message(server, split, **greedy).content[0].text == message(server, QUESTION, **greedy).content[0].text
+    answered = [*QUESTION, {"role": "assistant", "content": "fox"}, {"role": "assistant", "content": " jumps"}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]: a final assistant turn"):
+        message(server, answered)
+
+
 def test_max_tokens_past_the_context_is_refused_with_the_numbers(server, session):
     ids = encode_messages(session.tokenizer, QUESTION)
     too_many = CONTEXT - len(ids) + 1

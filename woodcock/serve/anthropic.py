@@ -65,9 +65,16 @@ def _conversation(body: dict) -> list[dict]:
                 param=f"messages[{i}].role",
                 code="invalid_value",
             )
-    conversation = chat_messages(body)
+    conversation = []
+    for turn in chat_messages(body):
+        # Anthropic combines consecutive turns of one role into a single turn: their text joins
+        # as the text blocks of one message do
+        if conversation and conversation[-1]["role"] == turn["role"]:
+            conversation[-1]["content"] += turn["content"]
+        else:
+            conversation.append(turn)
     if conversation[-1]["role"] == "assistant":
-        last = len(conversation) - 1
+        last = len(messages) - 1
         raise RequestError(
             f"messages[{last}]: a final assistant turn (prefill) is not supported: the answer"
             " starts a new assistant turn",

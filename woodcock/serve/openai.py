@@ -4,10 +4,11 @@ log-probabilities in chat's shape and in the completions' legacy one."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def usage(result) -> dict:
@@ -60,13 +61,28 @@ def chat_logprobs(entries) -> dict:
     }
 
 
-def completion_logprobs(entries, text_offset: int = 0) -> dict:
+class TextOffsets:
+    """Each token's offset in the answer's text: the characters its predecessors' bytes complete.
+    A token holding part of a character adds nothing until the character is whole (its text
+    alone, U+FFFD, is not its share of the answer's)."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.characters = 0
+
+    def next(self, raw: bytes) -> int:
+        offset = self.characters
+        self.characters += len(self.decoder.decode(raw))
+        return offset
+
+
+def completion_logprobs(entries, offsets: TextOffsets | None = None) -> dict:
     """The completions' legacy `logprobs`: parallel lists, the alternatives as {text: logprob}
-    and each token's offset in the answer's text (from `text_offset`)."""
-    offsets, tops = [], []
+    and each token's offset in the answer's text (`offsets`: the stream's so far)."""
+    offsets = offsets or TextOffsets()
+    text_offsets, tops = [], []
     for e in entries:
-        offsets.append(text_offset)
-        text_offset += len(e.text)
+        text_offsets.append(offsets.next(e.raw))
         top: dict[str, float] = {}
         for _, text, _, value in e.top:
             top.setdefault(text, value)  # texts that agree (partial characters): the likelier
@@ -75,7 +91,7 @@ def completion_logprobs(entries, text_offset: int = 0) -> dict:
         "tokens": [e.text for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": text_offsets,
     }
 
 
@@ -87,7 +103,7 @@ class Answer:
     model_id: str
     id: str = ""
     created: int = 0
-    text_offset: int = 0  # the streamed text's length so far, for the completions' logprobs
+    text_offsets: TextOffsets = field(default_factory=TextOffsets)  # the completions' logprobs
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.endpoint == "chat.completions" else "cmpl"
@@ -124,8 +140,7 @@ class Answer:
         else:
             logprobs = None
             if entries is not None:
-                logprobs = completion_logprobs(entries, self.text_offset)
-                self.text_offset += sum(len(e.text) for e in entries)
+                logprobs = completion_logprobs(entries, self.text_offsets)
             choice = {"index": 0, "text": str(text or ""), "logprobs": logprobs}
             kind = "text_completion"
         choice["finish_reason"] = finish_reason

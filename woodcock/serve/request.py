@@ -271,6 +271,13 @@ def content_text(content, param: str) -> str:
     )
 
 
+def _seed(body: dict) -> int | None:
+    """OpenAI's seed, a signed 64-bit integer, as the unsigned one MLX's PRNG takes (-1 is
+    2**64 - 1: distinct seeds stay distinct)."""
+    seed = _number(body, "seed", None, low=-(2**63), high=2**63 - 1, integer=True)
+    return None if seed is None else seed % 2**64
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
@@ -405,7 +412,7 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
         top_k=_number(body, "top_k", 0, low=0, integer=True),
         min_p=_number(body, "min_p", 0.0, low=0, high=1),
         stop=stop_strings(body),
-        seed=_number(body, "seed", None, integer=True),
+        seed=_seed(body),
         stream=stream,
         include_usage=include_usage,
         logprobs=_logprobs(body, endpoint),
