@@ -102,6 +102,12 @@ def test_the_stream_sends_anthropics_events_in_order(server):
     assert finished["usage"]["output_tokens"] == 12 and "speculative" in finished["usage"]
     whole = message(server, QUESTION, max_tokens=12)
     assert whole.content[0].text == text
+    # sent again, its prompt is cached: message_start counts it as message_delta does
+    events = sse_events(request(server, "POST", "/v1/messages", body)[2])
+    opening, closing = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    counts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert opening["cache_read_input_tokens"] > 0 and opening["output_tokens"] == 0
+    assert {k: opening[k] for k in counts} == {k: closing[k] for k in counts}
 
 
 def test_stop_sequences_cut_the_answer_and_are_reported(server):

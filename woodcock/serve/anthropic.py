@@ -196,10 +196,13 @@ class MessageAnswer:
     def complete(self, result) -> dict:
         return self._message(result.text, *_stop_reason(result), usage(result))
 
-    def opening(self) -> str:
-        # the cached prompt tokens are known once the answer is done: message_delta's usage
-        # gives the final counts
-        counts = {"input_tokens": self.input_tokens, "output_tokens": 0}
+    def opening(self, cached_tokens: int) -> str:
+        counts = {
+            "input_tokens": self.input_tokens - cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens,
+            "output_tokens": 0,
+        }
         start = self._message(None, None, None, counts)
         block = {"index": 0, "content_block": {"type": "text", "text": ""}}
         return _event("message_start", {"message": start}) + _event("content_block_start", block)

@@ -77,7 +77,7 @@ class _OpenAIAnswer:
     def complete(self, result) -> dict:
         return self.answer.complete(result)
 
-    def opening(self) -> str:
+    def opening(self, cached_tokens: int) -> str:
         chat = self.answer.endpoint == "chat.completions"
         return self.answer.role_chunk(**self.extra) if chat else ""
 
@@ -308,8 +308,6 @@ class _Handlers:
         """The answer's events as the worker reports them (answer: `_OpenAIAnswer`'s methods)."""
         finished = False
         try:
-            if opening := answer.opening():
-                yield opening
             while True:
                 try:
                     kind, value = await asyncio.wait_for(job.events.get(), self._time_left(job))
@@ -319,7 +317,10 @@ class _Handlers:
                     self.metrics.add("request_errors", status="504")
                     yield answer.failure(self._timed_out())
                     break
-                if kind == "text":
+                if kind == "start":  # the worker took the job: the prompt's cached tokens
+                    if opening := answer.opening(value):
+                        yield opening
+                elif kind == "text":
                     yield answer.text(value)
                 elif kind == "done":
                     yield answer.done(value)

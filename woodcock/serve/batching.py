@@ -120,6 +120,8 @@ class Batcher:
                 restore(entry, target, parts)
                 engine.pool.touch(entry.tokens)
                 cached = kept_prefix(common, len(ids))
+        if request.stream:
+            job.emit("start", cached)
         sampling = Sampling(request.temperature, request.top_p, request.top_k, request.min_p)
         sequence = SpeculativeSequence(
             ids,

@@ -40,7 +40,8 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, value) -> None:
-        """From the worker thread: ("text", str), ("done", Generation) or ("error", Exception)."""
+        """From the worker thread: ("start", the prompt tokens whose cached rows it reuses;
+        streamed requests only), ("text", str), ("done", Generation) or ("error", Exception)."""
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
@@ -162,6 +163,8 @@ class GenerationWorker:
             evictions = self._evictions()
             try:
                 on_text = (lambda text: job.emit("text", text)) if job.request.stream else None
+                if job.request.stream:
+                    job.emit("start", self.engine.reusable(job.request.prompt_ids))
                 result = self.engine.run(
                     job.request, on_text=on_text, cancelled=job.cancelled.is_set
                 )
