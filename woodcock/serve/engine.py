@@ -131,10 +131,14 @@ class Engine:
         self,
         request: GenerationRequest,
         *,
+        on_start: Callable[[int], None] | None = None,
         on_text: Callable[[str], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ):
+        """on_start: given the prompt tokens whose cached rows are reused, before the prefill."""
         ids, cached = request.prompt_ids, self._take_prefix(request.prompt_ids)
+        if on_start is not None:
+            on_start(cached)
         self.cached_tokens = []  # until this generation says what the caches hold
         processors = make_logits_processors(
             request.logit_bias,

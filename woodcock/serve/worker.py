@@ -162,11 +162,12 @@ class GenerationWorker:
             started = time.perf_counter()
             evictions = self._evictions()
             try:
-                on_text = (lambda text: job.emit("text", text)) if job.request.stream else None
-                if job.request.stream:
-                    job.emit("start", self.engine.reusable(job.request.prompt_ids))
+                streamed = job.request.stream
                 result = self.engine.run(
-                    job.request, on_text=on_text, cancelled=job.cancelled.is_set
+                    job.request,
+                    on_start=(lambda cached: job.emit("start", cached)) if streamed else None,
+                    on_text=(lambda text: job.emit("text", text)) if streamed else None,
+                    cancelled=job.cancelled.is_set,
                 )
                 self._done(job, result, started, evictions)
             except Exception as e:
