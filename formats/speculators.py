@@ -89,7 +89,11 @@ LAYER_KEYS_READ = {
     "rope_parameters",
     "rope_theta",
     "rope_scaling",
+    "num_aux_hidden_states",
 }
+# vLLM's llama EAGLE-3 sizes fc for this many taps unless transformer_layer_config says
+# num_aux_hidden_states (it reads neither speculators' top-level ids nor their count)
+VLLM_DEFAULT_TAPS = 3
 # Keys of a Hugging Face decoder config that do not change what a draft layer computes.
 # (model_type names the layer style and is read; tie_word_embeddings is a model-level key)
 INERT_LAYER_KEYS = (hf.INERT_KEYS - {"model_type"}) | {"tie_word_embeddings"}
@@ -131,6 +135,12 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             else "aux_hidden_state_layer_ids"
         )
         tap_ids = _tap_ids(stored_taps, taps, algorithm_name)
+        counted = layer_config.get("num_aux_hidden_states")
+        if counted is not None and counted != len(tap_ids):
+            raise DrafterError(
+                f"transformer_layer_config.num_aux_hidden_states = {counted!r}: expected"
+                f" {len(tap_ids)}, the number of tapped layers {list(tap_ids)}"
+            )
         default_vocab = hf.HF_LAYER_DEFAULTS[_style(layer_config)]["vocab_size"]
         vocab_size = layer_config.get("vocab_size", default_vocab)
         vocab_size = hf.integer(vocab_size, "transformer_layer_config.vocab_size")
@@ -451,12 +461,14 @@ def speculators_config(spec: DrafterSpec) -> dict[str, Any]:
         },
     }
     config["transformer_layer_config"] = _layer_config(spec)
+    if isinstance(algorithm, Eagle3) and len(spec.taps.layer_ids) != VLLM_DEFAULT_TAPS:
+        config["transformer_layer_config"]["num_aux_hidden_states"] = len(spec.taps.layer_ids)
     return config
 
 
 def _sliding_non_causal(spec: DrafterSpec) -> bool:
     """speculators has one switch for every sliding layer; full layers are always bidirectional.
-    vLLM 0.33.0 reads the switch as every layer's causality (`dflash_config.causal = not
+    vLLM (0.33.0, 0.34.0) reads the switch as every layer's causality (`dflash_config.causal = not
     sliding_window_non_causal`, overriding each layer in qwen3_dflash's `_dflash_layer_causal`),
     so a drafter without sliding layers says true: the same to speculators, and bidirectional
     in vLLM as trained. Causal sliding layers beside full ones must say false, and that vLLM
@@ -480,19 +492,44 @@ def _sliding_non_causal(spec: DrafterSpec) -> bool:
 
 
 def vllm_notes(config: dict[str, Any]) -> list[str]:
-    """What vLLM 0.33.0 would run differently from what this config means to speculators."""
+    """What vLLM would run differently from what this config means to speculators, or refuse
+    (vLLM 0.34.0: transformers_utils/configs/speculators/algos.py, models/qwen3_dflash.py,
+    models/qwen3_dspark.py, v1/worker/gpu/spec_decode/{dflash/speculator,dspark/config}.py)."""
+    name = config["speculators_model_type"]
+    if name == "eagle3":
+        return []
+    notes = []
     layer_types = config["transformer_layer_config"].get("layer_types") or []
-    if (
-        config["speculators_model_type"] == "dflash"
-        and config.get("sliding_window_non_causal") is False
-        and "full_attention" in layer_types
-    ):
-        return [
-            "vLLM 0.33.0 reads sliding_window_non_causal = false as every layer causal: this"
-            " drafter's full-attention layers, bidirectional in speculators, would run causal"
-            " there"
-        ]
-    return []
+    non_causal = config.get("sliding_window_non_causal")
+    if name == "dflash":
+        if non_causal is False and "full_attention" in layer_types:
+            notes.append(
+                "vLLM reads sliding_window_non_causal = false as every layer causal: this"
+                " drafter's full-attention layers, bidirectional in speculators, would run"
+                " causal there"
+            )
+        if config["sample_from_anchor"]:
+            notes.append("vLLM refuses DFlash drafters with sample_from_anchor = true")
+        return notes
+    # DSpark: no dflash_config in vLLM, so each layer's causality comes from its type alone
+    if non_causal and "sliding_attention" in layer_types:
+        notes.append(
+            "vLLM ignores sliding_window_non_causal for DSpark: this drafter's sliding layers,"
+            " bidirectional in speculators, would run causal there"
+        )
+    if config["markov_head_type"] != "vanilla":
+        notes.append(
+            f"vLLM builds only the vanilla Markov head: this drafter's"
+            f" markov_head_type = {config['markov_head_type']!r} fails to load there"
+        )
+    if not config["sample_from_anchor"]:
+        size = config["block_size"]
+        notes.append(
+            f"vLLM takes this drafter's {size - 1} tokens a block from this config only when it"
+            f" serves the drafter itself; a --speculative-config without num_speculative_tokens"
+            f" gets block_size ({size}): pass num_speculative_tokens {size - 1}"
+        )
+    return notes
 
 
 def _layer_config(spec: DrafterSpec) -> dict[str, Any]:

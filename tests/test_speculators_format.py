@@ -341,7 +341,60 @@ def test_full_attention_block_layers_are_written_non_causal(tmp_path):
     )
 
 
-def test_the_dry_run_says_what_vllm_would_run_differently(tmp_path, capsys):
+def test_an_eagle3_of_other_than_three_taps_says_its_count_where_vllm_reads_it(tmp_path):
+    """vLLM's llama EAGLE-3 sizes fc from transformer_layer_config.num_aux_hidden_states, else
+    for three taps; the count must agree with the ids when read back."""
+    four = tiny_spec("eagle3", target_layers=6, taps=(1, 2, 4, 5))
+    speculators.write(random_drafter(four), tmp_path / "four")
+    config = json.loads((tmp_path / "four" / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == 4
+    assert speculators.read(tmp_path / "four").spec == without_layer_count(four)
+    speculators.write(random_drafter(EAGLE), tmp_path / "three")
+    config = json.loads((tmp_path / "three" / "config.json").read_text())
+    assert "num_aux_hidden_states" not in config["transformer_layer_config"]
+    edit_config(
+        tmp_path / "four", lambda c: c["transformer_layer_config"].update(num_aux_hidden_states=3)
+    )
+    with pytest.raises(DrafterError, match=r"num_aux_hidden_states = 3: expected 4"):
+        speculators.read(tmp_path / "four")
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (tiny_spec("dflash", style="qwen3", sample_from_anchor=True), "refuses DFlash drafters"),
+        (
+            tiny_spec("dspark", style="qwen3", markov_head_type="gated"),
+            "markov_head_type = 'gated' fails to load",
+        ),
+        (
+            tiny_spec("dspark", style="qwen3", sample_from_anchor=False),
+            "pass num_speculative_tokens 3",
+        ),
+        (
+            tiny_spec("dspark", style="qwen3", num_layers=2),
+            "sliding layers, bidirectional in speculators, would run causal",
+        ),
+    ],
+)
+def test_what_vllm_refuses_or_runs_otherwise_is_said(tmp_path, spec, says):
+    if "sliding layers" in says:
+        sliding = dataclasses.replace(spec.layers[0], sliding_window=8)
+        spec = dataclasses.replace(spec, layers=(sliding, spec.layers[1]))
+    speculators.write(random_drafter(spec), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    notes = speculators.vllm_notes(config)
+    assert len(notes) == 1 and says in notes[0]
+
+
+def test_the_shipped_shapes_have_nothing_to_note(tmp_path):
+    for spec in (EAGLE, tiny_spec("dspark", style="qwen3"), tiny_spec("dflash", style="qwen3")):
+        speculators.write(random_drafter(spec), tmp_path / spec.algorithm.name)
+        config = json.loads((tmp_path / spec.algorithm.name / "config.json").read_text())
+        assert speculators.vllm_notes(config) == []
+
+
+def test_the_conversion_says_what_vllm_would_run_differently(tmp_path, capsys):
     spec = tiny_spec("dflash", style="qwen3", num_layers=2)
     sliding = dataclasses.replace(spec.layers[0], attention="block_causal", sliding_window=8)
     source = tmp_path / "native"
@@ -350,10 +403,12 @@ def test_the_dry_run_says_what_vllm_would_run_differently(tmp_path, capsys):
     )
     argv = ["convert", str(source), str(tmp_path / "out"), "--to", "speculators", "--dry-run"]
     code, out, _ = run_cli(argv, capsys)
-    assert (
-        code == 0 and "full-attention layers, bidirectional in speculators, would run causal" in out
-    )
+    says = "full-attention layers, bidirectional in speculators, would run causal"
+    assert code == 0 and says in out
     assert not (tmp_path / "out").exists()
+    code, out, _ = run_cli(argv[:-1], capsys)
+    assert code == 0 and "note: vLLM reads sliding_window_non_causal = false as every" in out
+    assert says in out and (tmp_path / "out" / "config.json").exists()
 
 
 def make_target(path: Path, spec, tie: bool) -> dict:

@@ -31,6 +31,7 @@ class Conversion:
     vocab_line: str | None  # what --truncate-vocab / --expand-vocab / --counts did
     plan: list[str] | None  # dry run: the lines of the plan; nothing was written
     unkept: tuple[str, ...] = ()  # facts of the drafter the output format does not keep
+    notes: tuple[str, ...] = ()  # what a server of the output format would do otherwise
 
     def summary(self) -> str:
         if self.plan is not None:
@@ -42,6 +43,7 @@ class Conversion:
                 f" {spec.algorithm.name}, {len(self.drafter.weights)} tensors,"
                 f" {self.drafter.parameter_counts()['own']:,} parameters"
             ]
+        lines += [f"note: {note}" for note in self.notes]
         if self.unkept:
             lines.append(
                 f"not kept by {self.writer} (the output reads back without them):"
@@ -101,8 +103,11 @@ def convert(
     unkept: tuple[str, ...] = ()
     if writer.NAME != "woodcock":  # the native format keeps everything
         unkept = _unkept(drafter, writer, None if dry_run else Path(dest))
+    notes: tuple[str, ...] = ()
+    if not dry_run and writer.NAME == "speculators":  # a dry run's plan lists them
+        notes = tuple(writer.vllm_notes(writer.speculators_config(drafter.spec)))
     return Conversion(
-        str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan, unkept
+        str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan, unkept, notes
     )
 
 

@@ -169,6 +169,10 @@ def test_our_writer_round_trips_and_reloads_in_speculators(
         return json.loads(json.dumps(config, sort_keys=True, default=str))
 
     ours, theirs = parsed(written), parsed(source)
+    if variant.algorithm == "eagle3" and len(variant.aux_layer_ids) != 3:
+        # for vLLM, whose llama EAGLE-3 sizes fc for three taps unless told the count
+        count = ours["transformer_layer_config"].pop("num_aux_hidden_states")
+        assert count == len(variant.aux_layer_ids)
     if variant.algorithm != "eagle3" and "sliding_attention" not in (variant.layer_types or ()):
         # no layer slides: the switch means nothing to speculators, and true keeps vLLM's
         # layers bidirectional (it reads the switch as every layer's causality)
