@@ -81,6 +81,9 @@ def test_distill_reports_the_backend_and_takes_the_tf32_flag(tmp_path, capsys, m
     code, out, err = run_cli(args + ["--out", str(tmp_path / "a")], capsys)
     assert code == 0, err
     assert out.rstrip().endswith("tokens/s); cpu backend") and "2 answered now" in out
+    # not a terminal: progress as lines a log keeps, the first and the last at least
+    lines = err.splitlines()
+    assert "answered: 0 of 2" in lines and lines[-1].startswith("answered: 2 of 2, ")
     assert backend.current_tf32() == Tf32("0", "default")
     code, out, err = run_cli(args + ["--out", str(tmp_path / "b"), "--allow-tf32"], capsys)
     assert code == 0 and backend.current_tf32().source == "--allow-tf32"

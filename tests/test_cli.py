@@ -223,3 +223,22 @@ def test_damaged_targets_and_empty_or_binary_prompts_are_refused_with_one_line(t
     shutil.copytree(truncated, cached)
     code, _, err = run_cli(generate + ["--target", str(cached), "--prompt", "x"], capsys)
     assert code == 2 and "woodcock made it in its cache: remove it to convert it again" in err
+
+
+def test_progress_off_a_terminal_is_a_line_a_minute_and_the_last(capsys):
+    from woodcock.train.cli import progress_display
+
+    now = [0.0]
+    with progress_display(every=60.0, clock=lambda: now[0]) as show:
+        for done, when in ((0, 0.0), (10, 30.0), (20, 60.0), (30, 90.0), (40, 120.0)):
+            now[0] = when
+            show("answered", done, 40)
+        now[0] = 600.0
+        show("training", 1, 3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "answered: 0 of 40",
+        "answered: 20 of 40, 20.0 a minute, 1 min left",
+        "answered: 40 of 40, 20.0 a minute, 0 min left",
+        "training: 1 of 3",
+    ]

@@ -5,8 +5,10 @@ the fields of `TrainOptions`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING
 from inspect import Parameter, Signature
 from pathlib import Path
@@ -15,9 +17,57 @@ from typing import Annotated, Any, get_type_hints
 import typer
 
 from woodcock.cli_options import AllowTf32, DefaultableTarget, MaxTokens
-from woodcock.train.options import FLAG, Flag, TrainOptions
+from woodcock.train.options import FLAG, Flag, Progress, TrainOptions
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+LOG_EVERY = 60.0  # seconds between progress lines when the output is not a terminal
+
+
+@contextlib.contextmanager
+def progress_display(
+    every: float = LOG_EVERY, clock: Callable[[], float] = time.monotonic
+) -> Iterator[Progress]:
+    """(phase, done, total) reports: a live bar on a terminal; elsewhere (a log file: a run of
+    hours in the background) a line on stderr at a phase's first report, at most every `every`
+    seconds after, and when it completes, with its rate and the time left."""
+    from rich.console import Console
+
+    if Console().is_terminal:
+        from rich.progress import MofNCompleteColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+
+        columns = (*Bar.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
+        with Bar(*columns, transient=True) as bar:
+            tasks: dict[str, int] = {}
+
+            def update(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total)
+                bar.update(tasks[phase], completed=done, total=total)
+
+            yield update
+        return
+    first: dict[str, tuple[float, int]] = {}  # phase -> (when, done) at its first report
+    said: dict[str, float] = {}  # phase -> when its last line was written
+
+    def write_line(phase: str, done: int, total: int) -> None:
+        now = clock()
+        start, done_then = first.setdefault(phase, (now, done))
+        if phase in said and done < total and now - said[phase] < every:
+            return
+        said[phase] = now
+        line = f"{phase}: {done:,} of {total:,}"
+        if now > start and done > done_then:
+            rate = (done - done_then) / (now - start)
+            line += f", {rate * 60:,.1f} a minute, {_duration((total - done) / rate)} left"
+        typer.echo(line, err=True)
+
+    yield write_line
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
 def _warn_slow_paths() -> None:
@@ -46,21 +96,13 @@ def distill(
 ) -> None:
     """Make the target answer the prompts (greedy, batched). Resumable: prompts already answered
     in OUT are skipped, new answers are appended to OUT/answers.jsonl as they finish."""
-    from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
-
     from woodcock.runtime import backend
     from woodcock.train.distill import distill as run_distill
 
     backend.configure_tf32(allow_tf32)  # a row's answer then does not depend on the rows beside it
 
     _warn_slow_paths()
-    columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True) as bar:
-        task = bar.add_task("answering", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with progress_display() as show:
         report = run_distill(
             target,
             prompts,
@@ -69,7 +111,7 @@ def distill(
             batch=batch,
             chat=chat,
             system=system,
-            progress=progress,
+            progress=lambda done, total: show("answered", done, total),
         )
     typer.echo(
         f"{out}: {report.answered} answered now, {report.skipped} already answered, of"
@@ -140,23 +182,13 @@ def train(ctx: typer.Context, **values: Any) -> None:
     layer shaped like the target's, EAGLE-3.1 post-norm feedback, truncated head), or a DFlash
     / DSpark block drafter (Qwen3 layers shaped like the target's, the target's embedding and
     head); writes the woodcock format with hold-out metrics in its provenance."""
-    from rich.progress import MofNCompleteColumn, Progress, TimeRemainingColumn
-
     from woodcock.runtime import backend
     from woodcock.train.train import train as run_train
 
     _warn_slow_paths()
     options = TrainOptions(**_field_values(TrainOptions, values), command=_typed_command(ctx))
-    columns = (*Progress.get_default_columns()[:2], MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
-        report = run_train(options, progress=progress)
+    with progress_display() as show:
+        report = run_train(options, progress=show)
     if not report.wrote:
         return  # rank 0 of a distributed run says what it wrote
     this_run = (
