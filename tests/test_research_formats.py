@@ -13,7 +13,7 @@ from helpers import assert_same_drafter, base_is_mmap
 from woodcock.cli import main
 from woodcock.errors import DrafterError
 from woodcock.formats import deepspec, safeailab, specforge, specforge_dspark, zlab_dflash
-from woodcock.formats.detect import FORMATS, detect
+from woodcock.formats.detect import FORMATS, detect, format_named
 from woodcock.ir import Head, Taps
 from woodcock.synthetic import random_drafter, tiny_spec
 from woodcock.tensorfile import read_safetensors, write_safetensors
@@ -834,3 +834,18 @@ def test_dry_run_lists_every_tensor_and_writes_nothing(safeailab_dir, tmp_path, 
         "F32",
     ]
     assert rows["d2t"][:2] == ["(vocabulary", "map)"]
+
+
+def test_a_conversion_says_what_the_output_format_leaves_to_its_loader(tmp_path, capsys):
+    source = tmp_path / "native"
+    drafter = random_drafter(tiny_spec("eagle3", target_layers=8, taps=(2, 4, 5)))
+    format_named("woodcock").write(drafter, source)
+    for extra in ([], ["--dry-run"]):
+        dest = tmp_path / f"out{len(extra)}"
+        try:
+            main(["convert", str(source), str(dest), "--to", "safeailab", *extra])
+        except SystemExit as e:
+            assert not e.code
+        out = capsys.readouterr().out
+        assert "taps are not stored: SafeAILab's target code captures layers 2, N//2 and N-3" in out
+        assert dest.exists() != bool(extra)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from woodcock.convert_plan import output_notes
 from woodcock.convert_plan import plan as dry_run_plan
 from woodcock.converters import layer_ids
 from woodcock.converters.dtype import cast
@@ -31,7 +32,7 @@ class Conversion:
     vocab_line: str | None  # what --truncate-vocab / --expand-vocab / --counts did
     plan: list[str] | None  # dry run: the lines of the plan; nothing was written
     unkept: tuple[str, ...] = ()  # facts of the drafter the output format does not keep
-    notes: tuple[str, ...] = ()  # what a server of the output format would do otherwise
+    notes: tuple[str, ...] = ()  # what the writer says of its output (convert_plan.output_notes)
 
     def summary(self) -> str:
         if self.plan is not None:
@@ -103,9 +104,7 @@ def convert(
     unkept: tuple[str, ...] = ()
     if writer.NAME != "woodcock":  # the native format keeps everything
         unkept = _unkept(drafter, writer, None if dry_run else Path(dest))
-    notes: tuple[str, ...] = ()
-    if not dry_run and writer.NAME == "speculators":  # a dry run's plan lists them
-        notes = tuple(writer.vllm_notes(writer.speculators_config(drafter.spec)))
+    notes = () if dry_run else tuple(output_notes(drafter, writer))  # a plan lists them
     return Conversion(
         str(source), str(dest), reader.NAME, writer.NAME, drafter, vocab_line, plan, unkept, notes
     )

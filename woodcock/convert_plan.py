@@ -15,15 +15,25 @@ from woodcock.ir import Drafter, to_dict
 from woodcock.tensorfile import dtype_name
 
 
+def output_notes(drafter: Drafter, writer: ModuleType) -> list[str]:
+    """What the writer says of its output beside the files: what the format leaves to its
+    loader, and where vLLM would refuse or run it otherwise (the speculators format)."""
+    if hasattr(writer, "prepare"):
+        return list(writer.prepare(drafter).notes)
+    if writer.NAME == "speculators":
+        return writer.vllm_notes(writer.speculators_config(drafter.spec))
+    return []
+
+
 def output_tensors(
     drafter: Drafter, writer: ModuleType
-) -> tuple[dict[str, np.ndarray], dict[str, str], list[str], list[str]]:
-    """(tensors by output name, output name -> canonical name or description, files, notes)
-    that `writer.write(drafter, ...)` would produce; raises its DrafterError when the format
-    cannot hold the drafter."""
+) -> tuple[dict[str, np.ndarray], dict[str, str], list[str]]:
+    """(tensors by output name, output name -> canonical name or description, files) that
+    `writer.write(drafter, ...)` would produce; raises its DrafterError when the format cannot
+    hold the drafter."""
     if hasattr(writer, "prepare"):
         out = writer.prepare(drafter)
-        return out.tensors, out.sources, list(out.files), list(out.notes)
+        return out.tensors, out.sources, list(out.files)
     tensors = dict(drafter.weights)
     sources = {name: name for name in tensors}
     ids = drafter.vocab.draft_to_target
@@ -33,13 +43,13 @@ def output_tensors(
             tensors[writer.VOCAB_TENSOR], sources[writer.VOCAB_TENSOR] = ids, "(vocabulary map)"
         if drafter.vocab.counts is not None:
             files += [writer.COUNTS_FILE, writer.COUNTS_INFO]
-        return tensors, sources, [*files, writer.MANIFEST], []
+        return tensors, sources, [*files, writer.MANIFEST]
     if writer.NAME == "speculators":
-        config = writer.speculators_config(drafter.spec)  # the writer's own checks
+        writer.speculators_config(drafter.spec)  # the writer's own checks
         if ids is not None:
             tensors |= offsets_and_mask(drafter)
             sources["d2t"] = sources["t2d"] = "(vocabulary map)"
-        return tensors, sources, ["config.json", "model.safetensors"], writer.vllm_notes(config)
+        return tensors, sources, ["config.json", "model.safetensors"]
     raise DrafterError(f"--dry-run: no plan for format {writer.NAME!r}")
 
 
@@ -59,7 +69,7 @@ def plan(
     dest: str,
 ) -> list[str]:
     """The dry-run report: `original` as read, `drafter` as it would be written."""
-    tensors, sources, files, notes = output_tensors(drafter, writer)
+    tensors, sources, files = output_tensors(drafter, writer)
     spec = drafter.spec
     algorithm = to_dict(spec.algorithm)
     name = algorithm.pop("name")
@@ -90,7 +100,7 @@ def plan(
     lines += [
         f"  {o:<{width}} <- {s:<{source_width}}  {shape} {dtype}" for o, s, shape, dtype in rows
     ]
-    lines += [f"note       {note}" for note in notes]
+    lines += [f"note       {note}" for note in output_notes(drafter, writer)]
     return lines
 
 
