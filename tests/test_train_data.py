@@ -4,6 +4,7 @@ refusing, before it writes anything, a prompt it cannot encode or a folder anoth
 
 import json
 
+import numpy as np
 import pytest
 from helpers import run_cli, write_corpus_prompts
 
@@ -125,3 +126,27 @@ def test_distill_refuses_messages_without_the_chat_template_before_writing(targe
     assert not out.exists()
     # so the corrected command starts afresh
     assert distill(str(target), prompts, out, max_tokens=4).answered == 2
+
+
+def test_the_holdout_keeps_a_conversation_on_one_side_and_openings_where_they_were():
+    import hashlib
+
+    from woodcock.train.data import Sample, holdout_split
+
+    def sample(ident):
+        return Sample(ident, np.arange(4, dtype=np.int32), 2)
+
+    openings = [f"c{i}_0" for i in range(400)]
+    turns = [f"{opening}#{turn}" for opening in openings[:200] for turn in (2, 4, 6)]
+    train, holdout = holdout_split([sample(i) for i in openings + turns], 0.05)
+    held = {s.id for s in holdout}
+    # an opening lies where sha256 of its id puts it, as before conversations joined the data
+    share = {i: int(hashlib.sha256(i.encode()).hexdigest()[:12], 16) / 16**12 for i in openings}
+    assert {i for i in openings if share[i] < 0.05} == held & set(openings)
+    assert 0 < len(held) < len(openings + turns)
+    for ident in turns:
+        assert (ident in held) == (ident.partition("#")[0] in held)
+    assert {s.id for s in train} | held == set(openings + turns)
+    # one conversation alone: its turns are split, one on each side at least
+    train, holdout = holdout_split([sample(f"c0_0#{t}") for t in (2, 4, 6)], 0.05)
+    assert train and holdout

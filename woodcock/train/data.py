@@ -65,17 +65,28 @@ def _refuse_outside_vocabulary(where: str, key: str, ids: list[int], vocab_size:
 
 
 def holdout_split(samples: Sequence[Sample], share: float) -> tuple[list[Sample], list[Sample]]:
-    """(train, holdout): a sample is held out when sha256(id) lies in the lowest `share` of the
-    hash range, so the split does not depend on order or on which other samples exist. At least
-    one sample lands on each side."""
-    keyed = [(int(hashlib.sha256(s.id.encode()).hexdigest()[:12], 16) / 16**12, s) for s in samples]
+    """(train, holdout): a sample is held out when the sha256 of its id's part before any "#"
+    lies in the lowest `share` of the hash range, so the split does not depend on order or on
+    which other samples exist, and the turns of one conversation ("ID#TURN", as
+    build_train_prompts.py names them) fall on one side with its opening ("ID"): a held-out
+    answer's context is never a trained one's. At least one sample lands on each side."""
+    keyed = [(_hash_share(s.id.partition("#")[0]), s) for s in samples]
+    if len({key for key, _ in keyed}) == 1:  # one conversation: its turns are split instead
+        keyed = [(_hash_share(s.id), s) for s in samples]
     holdout = [s for key, s in keyed if key < share]
     if not holdout:
-        holdout = [min(keyed, key=lambda ks: ks[0])[1]]
+        lowest = min(key for key, _ in keyed)
+        holdout = [s for key, s in keyed if key == lowest]
     if len(holdout) == len(samples):
-        holdout = holdout[:-1]
+        highest = max(key for key, _ in keyed)
+        holdout = [s for key, s in keyed if key != highest]
     held = {s.id for s in holdout}
     return [s for s in samples if s.id not in held], holdout
+
+
+def _hash_share(text: str) -> float:
+    """Where sha256(text) lies in the hash range, in [0, 1)."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16) / 16**12
 
 
 def answer_tokens(samples: Sequence[Sample]) -> np.ndarray:

@@ -56,7 +56,9 @@ class TrainOptions:
         "Draft vocabulary: the N most frequent tokens (default 8192 for eagle3; for"
         " dflash/dspark the whole vocabulary, with the target's head).",
     )
-    holdout: float = option(0.05, "Share of the samples held out.")
+    holdout: float = option(
+        0.05, "Share of the samples held out (by id; a conversation's ID#TURN turns together)."
+    )
     taps: tuple[int, ...] | None = option(
         None, "Target layer ids (default 2,N/2,N-3).", parse=parse_taps
     )
