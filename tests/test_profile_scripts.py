@@ -1,6 +1,7 @@
 """benchmarks/round_profile.py, benchmarks/head_noise.py, benchmarks/prefill_batch.py and
 benchmarks/prefill_chunks.py, steps of the GPU check, run on the CPU with the demo pair: a GPU
-lease is too short to find a broken script there; benchmarks/family_sweep.py on one family."""
+lease is too short to find a broken script there; benchmarks/family_sweep.py on one family;
+benchmarks/blas_matmuls.py at one row count."""
 
 import json
 import subprocess
@@ -92,3 +93,18 @@ def test_family_sweep_tells_identical_from_refused(tmp_path):
     assert len(runs) == 9
     for r in runs:  # its head is `output`: the drafters that share it are refused
         assert r["outcome"] == ("identical" if r["kind"] == "lookup" else "refused"), r
+
+
+def test_blas_matmuls_times_both_blas_kinds(tmp_path):
+    from woodcock.runtime.openblas import find_openblas
+
+    found = run_script(
+        "blas_matmuls.py", "--rows", "2", "--repeats", "1", "--json", str(tmp_path / "b.json")
+    )
+    assert [row["shape"] for row in found["rows"]] == ["mlp 2", "head 2"]
+    for row in found["rows"]:
+        assert row["openblas_ms"] > 0 and row["linked_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["linked_ms"] / row["openblas_ms"])
+    assert found["blas"]["linked"]["library"] != "openblas"
+    if sys.platform == "linux" and find_openblas().exists():
+        assert found["blas"]["openblas"]["library"] == "openblas"
