@@ -69,7 +69,7 @@ def holdout_split(samples: Sequence[Sample], share: float) -> tuple[list[Sample]
     lies in the lowest `share` of the hash range, so the split does not depend on order or on
     which other samples exist, and the turns of one conversation ("ID#TURN", as
     build_train_prompts.py names them) fall on one side with its opening ("ID"): a held-out
-    answer's context is never a trained one's. At least one sample lands on each side."""
+    answer's earlier turns are not trained on. At least one sample lands on each side."""
     keyed = [(_hash_share(s.id.partition("#")[0]), s) for s in samples]
     if len({key for key, _ in keyed}) == 1:  # one conversation: its turns are split instead
         keyed = [(_hash_share(s.id), s) for s in samples]
