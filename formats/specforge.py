@@ -197,7 +197,16 @@ def prepare(drafter: Drafter) -> hf.Output:
     for name, array in hf.offsets_and_mask(drafter).items():
         tensors[name] = array
         sources[name] = "(vocabulary map)"
-    return hf.Output(config, tensors, sources)
+    notes = []
+    if spec.fusion.tap_norm == "per_tap":
+        # its load_weights copies only the names it has: sgl-project/sglang@03d5a77:
+        # python/sglang/srt/models/llama_eagle3.py (also @d737979)
+        notes.append(
+            "SGLang's LlamaForCausalLMEagle3 at sgl-project/sglang@03d5a77 has no fc_norm: it"
+            " skips fc_norm.* without an error and runs this drafter without its per-tap norms;"
+            " serve it with an SGLang that runs EAGLE-3.1 drafters"
+        )
+    return hf.Output(config, tensors, sources, notes=notes)
 
 
 def write(drafter: Drafter, path: Path, *, force: bool = False) -> None:

@@ -472,12 +472,16 @@ def test_specforge_exports_of_block_drafters_read_with_the_sizes_they_copy_in(
     never read. Read where they say nothing new; another size is refused."""
     for path, read in ((zlab_dir, zlab_dflash.read), (specforge_dspark_dir, specforge_dspark.read)):
         before = read(path).spec
-        edit_config(path, lambda c: c.update(draft_vocab_size=c["vocab_size"], target_hidden_size=None))
+        edit_config(
+            path, lambda c: c.update(draft_vocab_size=c["vocab_size"], target_hidden_size=None)
+        )
         assert read(path).spec == before
         edit_config(path, lambda c: c.update(target_hidden_size=c["hidden_size"]))
         assert read(path).spec == before
         edit_config(path, lambda c: c.update(draft_vocab_size=c["vocab_size"] // 2))
-        with pytest.raises(DrafterError, match=r"draft_vocab_size = \d+: expected null or vocab_size") as info:
+        with pytest.raises(
+            DrafterError, match=r"draft_vocab_size = \d+: expected null or vocab_size"
+        ) as info:
             read(path)
         one_line(info)
 
@@ -849,3 +853,13 @@ def test_a_conversion_says_what_the_output_format_leaves_to_its_loader(tmp_path,
         out = capsys.readouterr().out
         assert "taps are not stored: SafeAILab's target code captures layers 2, N//2 and N-3" in out
         assert dest.exists() != bool(extra)
+
+
+def test_specforge_says_sglang_may_skip_the_per_tap_norms():
+    plain = tiny_spec("eagle3", target_layers=8, taps=(2, 4, 5), draft_vocab_size=40)
+    per_tap = dataclasses.replace(
+        plain, fusion=dataclasses.replace(plain.fusion, tap_norm="per_tap")
+    )
+    assert specforge.prepare(random_drafter(plain)).notes == []
+    (note,) = specforge.prepare(random_drafter(per_tap)).notes
+    assert "skips fc_norm.* without an error" in note
