@@ -199,12 +199,12 @@ def prepare(drafter: Drafter) -> hf.Output:
         sources[name] = "(vocabulary map)"
     notes = []
     if spec.fusion.tap_norm == "per_tap":
-        # its load_weights copies only the names it has: sgl-project/sglang@03d5a77:
-        # python/sglang/srt/models/llama_eagle3.py (also @d737979)
+        # its load_weights copies only the names it has (sgl-project/sglang@03d5a77:
+        # python/sglang/srt/models/llama_eagle3.py); PR #24663 added fc_norm and norm_output
         notes.append(
-            "SGLang's LlamaForCausalLMEagle3 at sgl-project/sglang@03d5a77 has no fc_norm: it"
-            " skips fc_norm.* without an error and runs this drafter without its per-tap norms;"
-            " serve it with an SGLang that runs EAGLE-3.1 drafters"
+            "SGLang's LlamaForCausalLMEagle3 before sgl-project/sglang PR #24663 (May 2026) has"
+            " no fc_norm: it skips fc_norm.* without an error and runs this drafter without its"
+            " per-tap norms"
         )
     return hf.Output(config, tensors, sources, notes=notes)
 
