@@ -5,6 +5,7 @@ alone and what plain mlx-lm decoding gives; sampling with a seed draws the same 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from test_decode import bf16_tie_target, tied_positions
 from test_serve import runtime_pair
 
 from woodcock.errors import DrafterError
@@ -17,8 +18,10 @@ from woodcock.runtime.decode import (
     batched_round,
     speculative_generate_step,
 )
+from woodcock.runtime.ngram import NgramDrafter
 from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import Sampling
+from woodcock.runtime.target import MlxTarget
 from woodcock.serve.batching import DraftingChoice, own_state
 
 PROMPTS = [list(range(10, 30)), [3, 4, 5], list(range(40, 90)), [7, 7, 7, 8], list(range(60, 33, -1))]
@@ -85,6 +88,15 @@ def test_every_sequence_of_a_batch_answers_as_it_does_alone(kind):
     # joining at different rounds, more prompts than rows: the fourth and fifth wait for a slot
     got = batched(target, drafter, lookup, PROMPTS, 24, joins=[0, 0, 2, 3, 3])
     assert got == expected
+
+
+def test_a_batch_answers_mlx_lm_s_tokens_where_bf16_rounding_ties_them():
+    model = bf16_tie_target()
+    target = MlxTarget(model, ())
+    expected = [tied_positions(model, p, 24) for p in PROMPTS]
+    assert sum(ties for _, ties in expected) >= 2  # the ties this test is about happened
+    got = batched(target, NgramDrafter(target.vocab_size), None, PROMPTS, 24, joins=[0, 0, 2, 3, 3])
+    assert got == [tokens for tokens, _ in expected]
 
 
 def test_proposals_cut_short_in_a_batch_change_the_speed_only():

@@ -119,6 +119,46 @@ def test_greedy_output_is_the_targets_own(model, k, pattern):
             assert sum(stats.accepted) == 0
 
 
+def bf16_tie_target():
+    """A bf16 target with flat logits (about 1 at most over 96 tokens): bf16 rounds the
+    log-probabilities of its top tokens to one value at some positions, where mlx-lm's greedy
+    choice is the lowest id of the tie rather than the logits' argmax."""
+    model = tiny_target("llama", scale=0.05)
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
+def tied_positions(model, prompt, max_tokens):
+    """Plain decoding's tokens, and how many of them are not the argmax of their logits."""
+    kept = []
+
+    def keep(_, logits):
+        kept.append(logits)
+        return logits
+
+    tokens = [
+        token
+        for token, _ in generate_step(
+            mx.array(prompt), model, max_tokens=max_tokens, logits_processors=[keep]
+        )
+    ]
+    # generate_step computes one step ahead: the last logits kept are past the last token
+    return tokens, sum(mx.argmax(x).item() != t for x, t in zip(kept, tokens, strict=False))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_output_is_mlx_lm_s_where_bf16_rounding_ties_tokens(k):
+    model = bf16_tie_target()
+    target = MlxTarget(model, [0, 2, 4])
+    ties = 0
+    for prompt in PROMPTS:
+        expected, tied = tied_positions(model, prompt, 40)
+        ties += tied
+        drafter = ScriptedDrafter([None] + expected, 96, lambda p: p % 3 == 0).start(prompt)
+        assert generate_tokens(prompt, target, drafter, max_tokens=40, num_draft=k) == expected
+    assert ties >= 2  # the ties this test is about happened
+
+
 class CyclingPolicy:
     """Draft lengths from a fixed cycle; 0 is a plain decoding step."""
 

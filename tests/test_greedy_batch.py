@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_targets import tiny_target
+from test_decode import bf16_tie_target, tied_positions
 
 from woodcock.errors import DrafterError
 from woodcock.runtime import greedy_batch
@@ -75,6 +76,21 @@ def test_answers_equal_one_prompt_at_a_time(case, monkeypatch, batch, sizes, pad
         assert reason == "stop" or len(answer.tokens) == MAX_TOKENS
     if batch > 1:  # answers finish out of order when they differ in length
         assert [a.index for a in answers] != sorted(a.index for a in answers)
+
+
+def test_answers_equal_mlx_lm_s_where_bf16_rounding_ties_tokens():
+    """Where a step's argmax is not mlx-lm's choice, the row takes the position back and is fed
+    mlx-lm's token: the answers stay plain decoding's."""
+    model = bf16_tie_target()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(96) for _ in range(rng.choice([1, 3, 8]))] for _ in range(9)]
+    expected = [tied_positions(model, p, MAX_TOKENS) for p in prompts]
+    assert sum(ties for _, ties in expected) >= 2  # the ties this test is about happened
+    answers = greedy_answers(
+        MlxTarget(model, ()), prompts, batch=4, max_tokens=MAX_TOKENS, stop_ids=()
+    )
+    for answer in answers:
+        assert answer.tokens == expected[answer.index][0], answer.index
 
 
 def test_one_token_answers_and_a_first_token_that_stops(case):

@@ -22,8 +22,10 @@ from woodcock.runtime.policy import FixedPolicy
 from woodcock.runtime.sampling import (
     HistoryPenalty,
     Sampling,
+    greedy_tokens,
     log_softmax,
     make_logits_processors,
+    near_ties,
     process_logits,
 )
 from woodcock.runtime.target import MlxTarget
@@ -321,8 +323,17 @@ def test_mlx_lm_samples_the_processed_distribution_we_compute():
     assert not chi_square_exceeds(counts, first_p)
 
 
-def test_log_softmax_is_fp32_and_normalised():
-    logits = mx.array([[1.0, 2.0, 3.0]], mx.bfloat16)
-    logprobs = log_softmax(logits)
-    assert logprobs.dtype == mx.float32
-    assert abs(float(mx.exp(logprobs).sum()) - 1) < 1e-6
+def test_log_softmax_and_the_greedy_choice_are_mlx_lm_s_in_bf16():
+    """Over a flat vocabulary bf16 rounds the log-probabilities of logits 0.5 and 0.50390625 to
+    one value: mlx-lm's greedy choice is then the lower id, not the logits' argmax."""
+    row = mx.zeros((32000,)).at[5].add(0.5).at[9].add(0.50390625).astype(mx.bfloat16)[None]
+    theirs = row - mx.logsumexp(row, axis=-1, keepdims=True)  # mlx-lm's generate_step
+    ours = log_softmax(row)
+    assert ours.dtype == mx.bfloat16 and mx.array_equal(ours, theirs).item()
+    assert mx.argmax(row).item() == 9
+    assert greedy_tokens(row).item() == make_sampler(0.0)(theirs).item() == 5
+    assert near_ties(row).item()
+    # in fp32 the two stay apart, and a row with one clear maximum is never a near tie
+    assert greedy_tokens(row.astype(mx.float32)).item() == 9
+    assert not near_ties(row.astype(mx.float32)).item()
+    assert not near_ties(mx.array([[0.0, 1.0, 0.0]], mx.bfloat16)).item()

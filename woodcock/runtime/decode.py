@@ -25,7 +25,9 @@ from woodcock.runtime.sampling import (
     LogitsProcessor,
     Sampling,
     accept_drafts,
+    greedy_tokens,
     log_softmax,
+    near_ties,
     process_logits,
 )
 from woodcock.runtime.target import MlxTarget
@@ -376,7 +378,7 @@ class SpeculativeSequence:
             return None
         logits, taps = prefilled
         logits = self._process([], logits[None])  # [1, V]
-        anchor = self._sample(logits[0])
+        anchor = greedy_tokens(logits[0]) if self.sampling.greedy else self._sample(logits[0])
         context_tokens = mx.concatenate([mx.array(prompt[cached + 1 :], mx.int32), anchor[None]])
         drafter.add_context(context_tokens, taps)
         mx.eval(anchor)
@@ -478,12 +480,14 @@ class SpeculativeSequence:
         k = tokens.shape[0]
         if self._processors:
             logits = self._process(tokens.tolist(), logits)
-        if k == 0:
+        unsure = []
+        if self.sampling.greedy:
+            # the argmax of the logits; `commit` takes mlx-lm's choice instead where rounding
+            # may tie it with another token (near_ties): no exp over the vocabulary otherwise
+            m, bonus = _greedy_verdict(tokens, mx.argmax(logits, axis=-1))
+            unsure = [near_ties(logits)]  # [k+1]
+        elif k == 0:
             m, bonus = mx.array(0), self._sample(logits[0])
-        elif self.sampling.greedy:
-            choice = mx.argmax(logits, axis=-1)
-            m = mx.argmax(mx.concatenate([tokens != choice[:k], mx.array([True])]))
-            bonus = choice[m]
         else:
             vocab, d = logits.shape[-1], proposal.drafts.shape[0]
             q = mx.zeros((d, vocab))  # [d, V]: the drafter's distributions; copies are one-hot
@@ -497,15 +501,18 @@ class SpeculativeSequence:
                 tokens, q, self.sampling.probabilities(logits), key=self._next_key()
             )
         self._logits = logits
-        self.verdict = [m, bonus, taps]
+        self.verdict = [m, bonus, taps, *unsure]
 
     def commit(self, verify_seconds: float) -> list[tuple]:
         """Keep the judged round (its verdict evaluated): drop the rejected rows from the
         target's cache; the accepted tokens and the bonus join the drafter's (and prompt
         lookup's) context. The steps the stream yields for them."""
-        m, bonus, taps = self.verdict
+        m, bonus, taps, *unsure = self.verdict
         proposal, accepted = self._proposal, m.item()
-        # read from arrays the verdict's evaluation computed: no further evaluation
+        if unsure and any(unsure[0].tolist()[: accepted + 1]):
+            m, bonus = _greedy_verdict(proposal.tokens, greedy_tokens(self._logits))
+            accepted = m.item()
+        # read from arrays the verdict's evaluation computed (but for a near tie, above)
         emitted = proposal.tokens.tolist()[:accepted] + [bonus.item()]
         self._emit(len(emitted))
         self.rows.rollback(proposal.tokens.shape[0] - accepted)
@@ -562,3 +569,10 @@ def _prefill(
         mx.eval(logits, chunk_taps)
         taps.append(chunk_taps)
     return logits, mx.concatenate(taps, axis=0)
+
+
+def _greedy_verdict(drafts: mx.array, choice: mx.array) -> tuple[mx.array, mx.array]:
+    """drafts [k], the target's greedy choice at each verified row [k+1] -> (drafts accepted m:
+    the leading run that equals the choice, the choice after them)."""
+    m = mx.argmax(mx.concatenate([drafts != choice[: drafts.shape[0]], mx.array([True])]))
+    return m, choice[m]

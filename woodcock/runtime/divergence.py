@@ -12,16 +12,16 @@ At the first divergence both paths' logits are replayed: plain decoding's with m
 `generate_step`, the verify forward's by replaying the speculative run's prefill and rounds with
 their row counts. The rounding noise is measured on the same target, dtype and row count, over
 the positions both runs agree on: max |one-row logits - the same rows' logits in one forward|.
-A margin is the difference of two logits, each of which may move by the noise, so the pair's
-order is rounding's to decide only while both margins are within twice the noise: a tie. Each
-path must also have ranked its own token first (margins of at least 0): a verify forward that
+A margin is the difference of two log-probabilities (what greedy decoding ranks: the logits
+normalised in the target's dtype), each of which may move by the noise, so the pair's order is
+rounding's to decide only while both margins are within twice the noise: a tie. Each path must
+also have ranked its own token first (margins of at least 0): a verify forward that
 ranks plain decoding's token above the one the run emitted shows that the run did not emit its
 own verify path's choice, which no rounding explains.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -30,6 +30,7 @@ from mlx_lm.generate import generate_step
 
 from woodcock.runtime.decode import Stats
 from woodcock.runtime.prefill import prefill_sizes
+from woodcock.runtime.sampling import greedy_tokens, log_softmax, ulp
 from woodcock.runtime.target import MlxTarget
 
 NOISE_WINDOWS = 4  # verify-sized windows the noise is measured over
@@ -40,8 +41,8 @@ class Divergence:
     position: int  # index of the first differing generated token
     plain_token: int  # plain decoding's token there (an EOS id where it stopped)
     woodcock_token: int  # the speculative run's
-    one_row_margin: float  # plain's token over woodcock's, in plain decoding's logits
-    verify_margin: float  # woodcock's token over plain's, in the verify forward's logits
+    one_row_margin: float  # plain's token over woodcock's, in plain decoding's log-probabilities
+    verify_margin: float  # woodcock's token over plain's, in the verify forward's
     verify_rows: int  # rows of the forward that verified the position (the prefill's there)
     noise: float  # measured max |one-row - multi-row| logit difference, at least one ulp
 
@@ -75,13 +76,13 @@ def classify(
     if position is None:
         return None
     one_row = plain_logits(session.model, prompt, position)
-    dtype, one_row = one_row.dtype, one_row.astype(mx.float32)
     verify, rows = verify_logits(session.target, prompt, tokens, stats, position)
-    verify = verify.astype(mx.float32)
-    plain_token = expected[position] if position < len(expected) else mx.argmax(one_row).item()
-    ours = tokens[position] if position < len(tokens) else mx.argmax(verify).item()
+    plain_token = expected[position] if position < len(expected) else greedy_tokens(one_row).item()
+    ours = tokens[position] if position < len(tokens) else greedy_tokens(verify).item()
     noise = rounding_noise(session.target, [*prompt, *expected[:position]], rows)
-    floor = ulp(dtype, mx.abs(one_row).max().item())
+    floor = ulp(one_row.dtype, mx.abs(one_row).max().item())
+    # both paths rank log-probabilities rounded in the target's dtype (greedy_tokens)
+    one_row, verify = (log_softmax(x).astype(mx.float32) for x in (one_row, verify))
     session.target.reset()
     return Divergence(
         position=position,
@@ -167,10 +168,3 @@ def rounding_noise(target: MlxTarget, sequence: Sequence[int], rows: int) -> flo
         difference = mx.abs(together.astype(mx.float32) - mx.stack(alone).astype(mx.float32))
         worst = max(worst, difference.max().item())
     return worst
-
-
-def ulp(dtype, magnitude: float) -> float:
-    """The spacing of `dtype`'s values at `magnitude`: no replay resolves less."""
-    if magnitude <= 0 or not math.isfinite(magnitude):
-        return 0.0
-    return mx.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))

@@ -6,8 +6,11 @@ shortest first, in groups prefilled together in a batch of their own (padded to 
 longest, in the backend's chunks, woodcock.runtime.prefill; only the caches are computed, not
 the prompt positions' logits) and then copied into free rows. A step feeds every row its
 newest token and takes the argmax of the logits; nothing per row is computed but that argmax
-(no log-probabilities), and the host reads one step's tokens while the device runs the next (a
-finished row costs one wasted position).
+and whether another token lies within rounding of it (no log-probabilities: their exp over the
+vocabulary would cost about a tenth of a step on the CPU), and the host reads one step's tokens
+while the device runs the next (a finished row costs one wasted position). Where rounding may
+tie, the log-probabilities decide as in mlx-lm (woodcock.runtime.sampling.greedy_tokens); a row
+that was fed another token takes that position back and is fed the right one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from woodcock.runtime.batch import SequenceBatch
 from woodcock.runtime.prefill import PrefillSizes, prefill_sizes
+from woodcock.runtime.sampling import greedy_tokens, near_ties
 from woodcock.runtime.target import MlxTarget
 
 PADDING = 1.25  # most padded tokens per prompt token in a prefill group
@@ -57,18 +61,34 @@ def greedy_answers(
     waiting = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     rows = SequenceBatch(target, batch)
     decoding: list[_Row] = []  # row i's answer so far
-    newest = mx.zeros((0,), mx.int32)  # [B] each row's newest token, fed in the next step
+    # [B] each row's newest token, fed in the next step (the argmax of the logits it came from),
+    # whether rounding may make mlx-lm's greedy choice another token there (near_ties), and
+    # that choice (lazy: computed only for a step with such a row)
+    newest, unsure, exact = mx.zeros((0,), mx.int32), mx.zeros((0,), mx.bool_), None
     while waiting or decoding:
         if waiting and len(decoding) < batch:
             group = _take_group(prompts, waiting, batch - len(decoding), sizes)
             prefilled = _prefill_into(rows, [prompts[i] for i in group], sizes)
             newest = mx.concatenate([newest, prefilled])
+            unsure = mx.concatenate([unsure, mx.zeros(prefilled.shape, mx.bool_)])
+            exact = prefilled if exact is None else mx.concatenate([exact, prefilled])
             decoding += [_Row(Answer(i, [], "")) for i in group]
-        logits, _ = rows.forward_equal(newest[:, None])  # [B, 1, V]
-        following = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)  # [B]
-        mx.async_eval(following)
+        logits, _ = rows.forward_equal(newest[:, None])
+        last = logits[:, -1]  # [B, V]
+        following = mx.argmax(last, axis=-1).astype(mx.int32)  # [B]
+        following_unsure = near_ties(last)
+        mx.async_eval(following, following_unsure)
+        tokens = newest.tolist()
+        corrected = {}  # row -> mlx-lm's choice where this step fed another token
+        if any(unsure.tolist()):
+            corrected = {r: t for r, t in enumerate(exact.tolist()) if t != tokens[r]}
         finished = []
-        for row, (state, token) in enumerate(zip(decoding, newest.tolist(), strict=True)):
+        for row, (state, token) in enumerate(zip(decoding, tokens, strict=True)):
+            if row in corrected:
+                # this step wrote the wrong token's keys and values: take them back, and feed
+                # the right one at the same position in the next step
+                rows.slots[row].rollback(1)
+                continue
             if not state.started:
                 state.started = True
                 continue
@@ -78,9 +98,17 @@ def greedy_answers(
                 answer.finish_reason = "stop" if token in stop else "length"
                 finished.append(row)
                 yield answer
-        newest = following
+        newest, unsure = following, following_unsure
+        exact = greedy_tokens(last).astype(mx.int32)
+        if corrected:
+            fixed = mx.zeros(newest.shape, mx.bool_)
+            fixed[mx.array(list(corrected), mx.int32)] = True
+            right = mx.zeros(newest.shape, mx.int32)
+            right[mx.array(list(corrected), mx.int32)] = mx.array(list(corrected.values()))
+            newest, exact = mx.where(fixed, right, newest), mx.where(fixed, right, exact)
+            unsure = mx.where(fixed, False, unsure)
         if finished:
-            newest = _drop_rows(rows, decoding, newest, finished)
+            newest, unsure, exact = _drop_rows(rows, decoding, [newest, unsure, exact], finished)
 
 
 def _take_group(prompts, waiting: list[int], room: int, sizes: PrefillSizes) -> list[int]:
@@ -118,9 +146,12 @@ def _prefill_into(
     return mx.array([p[-1] for p in prompts], mx.int32)
 
 
-def _drop_rows(rows: SequenceBatch, decoding: list, newest: mx.array, finished: list[int]):
+def _drop_rows(
+    rows: SequenceBatch, decoding: list, per_row: list[mx.array], finished: list[int]
+) -> list[mx.array]:
     """Take the finished rows out of the batch (each leaving row's place goes to the batch's last
-    row, as SequenceBatch.remove does) and out of `decoding`: `newest` in the new row order."""
+    row, as SequenceBatch.remove does) and out of `decoding`: the `per_row` arrays [B] in the new
+    row order."""
     order = list(range(len(decoding)))
     for row in sorted(finished, reverse=True):
         rows.remove(rows.slots[row])
@@ -129,4 +160,5 @@ def _drop_rows(rows: SequenceBatch, decoding: list, newest: mx.array, finished: 
         decoding.pop()
         if row < len(order):
             order[row] = last
-    return newest[mx.array(order, mx.int32)] if order else mx.zeros((0,), mx.int32)
+    index = mx.array(order, mx.int32)
+    return [x[index] if order else x[:0] for x in per_row]

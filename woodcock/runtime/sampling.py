@@ -1,12 +1,15 @@
 """Token distributions with mlx-lm's sampler semantics, and the speculative acceptance rule.
 
 mlx-lm samples from softmax(filtered log-probs / temperature), the filters (top-p, min-p, top-k)
-applied in that order to the log-probs before the temperature. Its own filter functions are used
-here, so a woodcock distribution is exactly the one `mlx_lm.sample_utils.make_sampler` samples.
+applied in that order to the log-probs before the temperature, all in the logits' dtype; greedy
+decoding takes the argmax of the log-probs. Its own filter functions are used here, in the same
+dtype, so a woodcock distribution is exactly the one `mlx_lm.sample_utils.make_sampler` samples,
+and a greedy token the one it picks, ties of bf16 rounding included.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,20 +41,22 @@ class Sampling:
         return self.temperature == 0
 
     def probabilities(self, logits: mx.array) -> mx.array:
-        """logits [..., V] -> the distribution mlx-lm would sample from [..., V] (fp32)."""
-        logprobs = logits.astype(mx.float32)
-        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        """logits [..., V] -> the distribution mlx-lm would sample from [..., V] (fp32): the
+        filters and the temperature applied in the logits' dtype, as its sampler applies them,
+        then normalised in fp32."""
+        logprobs = log_softmax(logits)
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
             logprobs = apply_min_p(logprobs, self.min_p)
         if self.top_k and self.top_k < logits.shape[-1]:
             logprobs = apply_top_k(logprobs, self.top_k)
-        return mx.softmax(logprobs * (1 / self.temperature), axis=-1)
+        return mx.softmax((logprobs * (1 / self.temperature)).astype(mx.float32), axis=-1)
 
     def sample(self, logits: mx.array, key: mx.array | None = None) -> mx.array:
-        """One token per row of logits [..., V] (argmax when greedy). key: a PRNG key to draw
-        with (None: MLX's global random state)."""
+        """One token per row of logits [..., V] (argmax when greedy: a drafter's choice, which
+        no exactness depends on; the target's greedy choice is `greedy_tokens`). key: a PRNG key
+        to draw with (None: MLX's global random state)."""
         if self.greedy:
             return mx.argmax(logits, axis=-1)
         return mx.random.categorical(mx.log(self.probabilities(logits)), axis=-1, key=key)
@@ -197,7 +202,35 @@ def process_logits(
 
 
 def log_softmax(logits: mx.array) -> mx.array:
-    """The log-probabilities plain decoding reports: the processed logits normalised (before
-    the temperature and the filters, as mlx-lm's `generate_step` returns them) [..., V] fp32."""
-    logits = logits.astype(mx.float32)
+    """The processed logits [..., V] normalised in their own dtype, before the temperature and
+    the filters: what mlx-lm's `generate_step` reports and hands its sampler. In bf16 this
+    rounding can tie two tokens whose logits differ by a bf16 step."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """mlx-lm's greedy choice per row of logits [..., V]: the argmax of `log_softmax`, the lowest
+    id among the tokens its rounding ties (the argmax of the logits themselves can be another
+    token of the tie)."""
+    return mx.argmax(log_softmax(logits), axis=-1)
+
+
+def near_ties(logits: mx.array) -> mx.array:
+    """logits [..., V] -> [...] bool: rows where `greedy_tokens` may differ from the argmax of
+    the logits, because another token lies within the rounding step of `log_softmax` below the
+    largest. Elsewhere the argmax is the greedy token, and costs no exp over the vocabulary
+    (on MLX's CPU backend about 16 ns an element).
+
+    Rounding to nearest keeps the order of two values, and merges them only where they are at
+    most a step apart at their magnitude; a largest token's log-probability lies within
+    log(V) of 0 (plus the rounding of the logsumexp), so twice that bounds the magnitude."""
+    window = ulp(logits.dtype, 2 * (math.log(logits.shape[-1]) + 1))
+    top = mx.max(logits, axis=-1, keepdims=True)
+    return (logits >= top - window).sum(axis=-1) > 1
+
+
+def ulp(dtype, magnitude: float) -> float:
+    """The spacing of `dtype`'s values at `magnitude`."""
+    if magnitude <= 0 or not math.isfinite(magnitude):
+        return 0.0
+    return mx.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
