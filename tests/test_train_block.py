@@ -33,7 +33,9 @@ from woodcock.train.block_model import (
     slot_outputs,
 )
 from woodcock.train.block_trainer import (
+    BlockInputs,
     BlockMetrics,
+    BlockTrainer,
     anchor_candidates,
     spread_anchors,
     train_anchors,
@@ -42,6 +44,7 @@ from woodcock.train.checkpoints import trained_weights
 from woodcock.train.cli import app
 from woodcock.train.data import Batch
 from woodcock.train.distill import read_answers
+from woodcock.train.distributed import Group
 from woodcock.train.features import TargetRunner
 from woodcock.train.options import TrainOptions
 
@@ -186,6 +189,79 @@ def test_training_forward_is_the_runtime_block_drafter(work, variant):
                 np.testing.assert_allclose(
                     confidence[j, a, shift:], np.array(runtime.last_confidence), atol=1e-5
                 )
+
+
+@pytest.mark.parametrize("terms", ["kl=1", "ce=1", "l1=1", "ce=0.1,l1=0.9", "kl=0.5,l1=2"])
+def test_token_loss_terms_are_the_weighted_kl_cross_entropy_and_l1(work, terms):
+    """The trainer's token loss on hand-made blocks equals the terms computed here from its
+    logits: KL(p || q), -log q(the target's token) and sum |q - p|, each slot weighted."""
+    target_dir = str(work / "target")
+    runner = TargetRunner(target_dir, TAPS)
+    head_ids = np.arange(0, runner.vocab_size, 2)  # a truncated head: every other token
+    opts = TrainOptions(
+        target=target_dir,
+        data=work / "data",
+        out=work / "unused",
+        algorithm="dspark",
+        block_size=3,
+        markov_rank=8,
+        token_loss=terms,
+    )
+    opts.check()
+    spec = build_block_spec(runner, target_dir, TAPS, head_ids.size, opts, 0)
+    model = build_block_model(
+        spec, runner.embedding, runner.head[head_ids], runner.final_norm_weight(), seed=1
+    )
+    trainer = BlockTrainer(model, spec, head_ids, runner.head, opts, Group())
+    rng = np.random.default_rng(3)
+    s, n_blocks, size, vd = 2, 2, 3, head_ids.size
+    rows = np.array([0, 1, 2, 4, 6, 7, 9, 10], np.int32)  # draft slots of some blocks
+    target = rng.dirichlet(np.full(vd, 0.3), size=rows.size).astype(np.float32)
+    weight = rng.uniform(0.2, 1.0, rows.size).astype(np.float32)
+    label = rng.integers(0, vd, rows.size).astype(np.int32)
+    inputs = BlockInputs(
+        taps=mx.array(rng.standard_normal((s, 6, len(TAPS) * runner.hidden_size)), mx.float32),
+        anchors=mx.array([[3, 6], [2, 5]], mx.int32),
+        block_ids=mx.array(rng.integers(0, runner.vocab_size, (s, n_blocks, size)), mx.int32),
+        prev_ids=mx.array(rng.integers(0, runner.vocab_size, (s, n_blocks, size)), mx.int32),
+        rows=mx.array(rows),
+        target=mx.array(target),
+        neg_entropy=mx.array((target * np.log(target)).sum(-1)),
+        weight=mx.array(weight),
+        loss_rows=rows.size,
+        slot=rows % size,
+        block=rows // size,
+        target_argmax=head_ids[label],
+        label=mx.array(label),
+        blocks=s * n_blocks,
+        tokens_in=0,
+    )
+    count = 5.0
+    _, (token_loss, *_) = trainer._loss(model, inputs, mx.array(count))
+    hidden = block_states(model, spec, inputs.taps, inputs.anchors, inputs.block_ids)
+    logits, _ = slot_outputs(model, spec, hidden, inputs.prev_ids, inputs.rows)
+    logits = np.array(logits, np.float64)
+    log_q = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None]
+    log_q -= logits.max(-1, keepdims=True)
+    parts = {
+        "kl": (target * (np.log(target) - log_q)).sum(-1),
+        "ce": -log_q[np.arange(rows.size), label],
+        "l1": np.abs(np.exp(log_q) - target).sum(-1),
+    }
+    weights = {name: float(w) for name, w in (t.split("=") for t in terms.split(","))}
+    expected = sum(w * (weight * parts[name]).sum() / count for name, w in weights.items())
+    assert float(token_loss.item()) == pytest.approx(expected, rel=2e-4)
+
+
+def test_a_frozen_head_keeps_the_targets_rows(work, tmp_path):
+    frozen = T.train(short_block_run(work, tmp_path / "frozen", freeze_head=True, steps=4))
+    trained = T.train(short_block_run(work, tmp_path / "trained", steps=4))
+    assert frozen.losses[0] == trained.losses[0] and frozen.losses[1:] != trained.losses[1:]
+    runner = TargetRunner(str(work / "target"), TAPS)
+    for out, same in (("frozen", True), ("trained", False)):
+        drafter, _ = load_drafter_with_format(tmp_path / out)
+        rows = runner.head[np.asarray(drafter.vocab.draft_to_target)]
+        assert np.array_equal(np.asarray(drafter.weights["lm_head.weight"]), rows) is same
 
 
 def test_anchors_fit_in_the_answer_and_follow_the_seed_and_step():
@@ -356,6 +432,8 @@ def test_block_resume_continues_with_the_same_losses(work, tmp_path):
         T.train(short_block_run(work, tmp_path / "cut"), progress=crash_at_5)
     with pytest.raises(DrafterError, match="--resume: the checkpoint .* anchors = 4"):
         T.train(short_block_run(work, tmp_path / "cut", resume=True, anchors=5))
+    with pytest.raises(DrafterError, match="--resume: the checkpoint .* token_loss"):
+        T.train(short_block_run(work, tmp_path / "cut", resume=True, token_loss="ce=1"))
     with pytest.raises(DrafterError, match="--resume: the checkpoint .* algorithm"):
         T.train(short_block_run(work, tmp_path / "cut", resume=True, algorithm="dspark"))
     resumed = T.train(short_block_run(work, tmp_path / "cut", resume=True))
@@ -378,6 +456,10 @@ def test_block_resume_continues_with_the_same_losses(work, tmp_path):
         (dict(anchors=0), "--anchors 0"),
         (dict(decay_gamma=0.0), "--decay-gamma 0.0"),
         (dict(confidence_weight=-1.0), "--confidence-weight -1.0"),
+        (dict(token_loss="kl=1,kl=2"), "--token-loss 'kl=1,kl=2': expected terms"),
+        (dict(token_loss="mse=1"), "--token-loss 'mse=1'"),
+        (dict(token_loss="ce=-1"), "--token-loss 'ce=-1'"),
+        (dict(token_loss="ce=0,l1=0"), "--token-loss 'ce=0,l1=0': expected a term with"),
         (dict(max_len=5), "--max-len 5"),
         (dict(block_size=62, max_len=64), "--block-size 62: no training answer in .* has room"),
     ],

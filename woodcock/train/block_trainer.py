@@ -12,12 +12,16 @@ dspark/core.py, dspark/metrics.py, losses/utils.py):
   against the target's distribution at the position before, restricted to the draft
   vocabulary: softmax(final hidden state @ the target's head rows). DSpark's Markov head is
   teacher-forced on the ground-truth token before each predicted one.
-* Loss: KL(target || draft) per slot, weighted exp(-j/gamma) for draft slot j (slot k = j, or
-  k = j+1 without sample_from_anchor), summed over the batch's slots and divided by their number;
-  rows whose target argmax lies outside a truncated head carry no loss (as in EAGLE-3 training
-  here). DSpark adds --confidence-weight x the same weighting of BCE(confidence, alpha), alpha =
-  sum_v min(p_v, q_v) = 1 - TV(p, q), the acceptance rate of the Markov-corrected draft q under
-  rejection sampling (no gradient through alpha).
+* Loss: per slot KL(target || draft) by default, or the weighted terms of --token-loss: KL,
+  cross-entropy on the target's argmax (the distilled answer's token) and the L1 distance
+  between the two distributions (DeepSpec's DSpark recipe: 0.1 CE + 0.9 L1, its loss.py); each
+  slot weighted exp(-j/gamma) for draft slot j (slot k = j, or k = j+1 without
+  sample_from_anchor), summed over the batch's slots and divided by their number; rows whose
+  target argmax lies outside a truncated head carry no loss (as in EAGLE-3 training here). A
+  truncated head trains unless --freeze-head keeps it at the target's rows (as DeepSpec and
+  speculators keep theirs). DSpark adds --confidence-weight x the same weighting of
+  BCE(confidence, alpha), alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), the acceptance rate of
+  the Markov-corrected draft q under rejection sampling (no gradient through alpha).
 * Hold-out metrics: per draft slot the greedy accuracy (the draft's argmax, as a target id,
   equals the target's full-vocabulary argmax there), the acceptance length (mean over blocks of
   1 + the leading run of correct slots: the greedy acceptance length, since for greedy distilled
@@ -46,7 +50,12 @@ from woodcock.train.block_model import (
 from woodcock.train.data import Batch, BatchLengths, eval_batches, make_batch
 from woodcock.train.distributed import Group, zero_gradients
 from woodcock.train.optimization import draft_head, make_optimizer
-from woodcock.train.options import TrainOptions, TrainReport
+from woodcock.train.options import (
+    DEFAULT_TOKEN_LOSS,
+    TrainOptions,
+    TrainReport,
+    parse_loss_terms,
+)
 from woodcock.train.run import RunInputs
 from woodcock.train.warm_start import started_model
 
@@ -92,6 +101,7 @@ class BlockInputs:
     slot: np.ndarray  # [n] draft slot j
     block: np.ndarray  # [n] flat block index s*N + a
     target_argmax: np.ndarray  # [n] the target's full-vocabulary argmax
+    label: Any  # mx int32 [n]: its draft-vocabulary row (0 where outside the head: no loss)
     blocks: int  # S*N
     tokens_in: int
 
@@ -113,6 +123,11 @@ class BlockTrainer:
         self.slots = algorithm.num_drafts
         self.mask_id = algorithm.mask_token_id
         self.head_ids, self.in_head, self.head_t = draft_head(head_matrix, head_target_ids)
+        self.draft_row = np.zeros(self.in_head.size, np.int32)
+        self.draft_row[self.head_ids] = np.arange(self.head_ids.size)
+        self.loss_terms = parse_loss_terms(opts.token_loss)
+        if opts.freeze_head:
+            model.lm_head.freeze()
         self.decay = np.exp(-np.arange(self.slots) / opts.decay_gamma).astype(np.float32)
         self.has_confidence = getattr(algorithm, "confidence_head", False)
         self.optimizer = make_optimizer(opts)
@@ -164,6 +179,7 @@ class BlockTrainer:
             slot=k_idx - shift,
             block=b_idx * count + a_idx,
             target_argmax=argmax,
+            label=mx.array(self.draft_row[np.maximum(argmax, 0)]),
             blocks=s * count,
             tokens_in=batch.tokens_in,
         )
@@ -174,8 +190,15 @@ class BlockTrainer:
         logits, confidence = slot_outputs(model, self.spec, hidden, inputs.prev_ids, inputs.rows)
         lse = mx.logsumexp(logits, axis=-1)
         kl = lse - (inputs.target * logits).sum(-1) + inputs.neg_entropy  # [n]
-        token_loss = (inputs.weight * kl).sum() / count
         q = mx.exp(logits - lse[:, None])
+        terms = self.loss_terms
+        per_row = terms.get("kl", 0.0) * kl
+        if terms.get("ce"):
+            label_logit = mx.take_along_axis(logits, inputs.label[:, None], axis=-1)[:, 0]
+            per_row = per_row + terms["ce"] * (lse - label_logit)
+        if terms.get("l1"):
+            per_row = per_row + terms["l1"] * mx.abs(q - inputs.target).sum(-1)
+        token_loss = (inputs.weight * per_row).sum() / count
         alpha = mx.stop_gradient(mx.minimum(q, inputs.target).sum(-1))
         total, confidence_loss, probability = token_loss, mx.array(0.0), None
         if confidence is not None:
@@ -386,10 +409,16 @@ class BlockRun:
         self.optimizer = self.trainer.optimizer
         self.group = inputs.group
         algorithm = self.spec.algorithm
+        token_loss = (
+            "KL to the target's soft labels"
+            if opts.token_loss == DEFAULT_TOKEN_LOSS
+            else f"token loss {opts.token_loss}"
+        )
         self.name = (
             f"woodcock train (block recipe: {algorithm.name}, speculators 0.9.0 anchored blocks,"
-            " KL to the target's soft labels, exp(-k/gamma) slot weights"
+            f" {token_loss}, exp(-k/gamma) slot weights"
             + (", confidence BCE" if getattr(algorithm, "confidence_head", False) else "")
+            + (", frozen head" if opts.freeze_head else "")
             + ")"
         )
 

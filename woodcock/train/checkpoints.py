@@ -88,3 +88,11 @@ def trained_weights(model) -> dict[str, np.ndarray]:
         name: np.array(value.astype(mx.float32))
         for name, value in tree_flatten(model.trainable_parameters())
     }
+
+
+def drafter_weights(model, spec) -> dict[str, np.ndarray]:
+    """The drafter's tensors: what trained, and its own head where it was kept frozen."""
+    weights = trained_weights(model)
+    if spec.head.lm_head == "own":
+        weights.setdefault("lm_head.weight", np.array(model.lm_head.weight.astype(mx.float32)))
+    return weights

@@ -28,6 +28,7 @@ class Flag:
 
 
 FLAG = "flag"  # the metadata key of a field's Flag
+DEFAULT_TOKEN_LOSS = "kl=1"
 
 
 def option(default: Any = MISSING, help: str | None = None, **flag: Any) -> Any:
@@ -90,6 +91,18 @@ class TrainOptions:
     anchors: int = option(16, "dflash/dspark: blocks per sequence per step.")  # at most
     decay_gamma: float = option(4.0, "dflash/dspark: slot k weighs exp(-k/gamma).")
     confidence_weight: float = option(1.0, "dspark: weight of the confidence BCE.")
+    token_loss: str = option(
+        DEFAULT_TOKEN_LOSS,
+        "dflash/dspark: the draft slots' loss, weighted terms among kl (to the target's"
+        " distribution), ce (on the target's token) and l1 (between the distributions; 2 TV):"
+        " DeepSpec's DSpark recipe is ce=0.1,l1=0.9.",
+        parse=lambda text: format_loss_terms(parse_loss_terms(text or "")),
+    )
+    freeze_head: bool = option(
+        False,
+        "dflash/dspark: keep a truncated head at the target's rows (a shared head is frozen).",
+        negatable=True,
+    )
     step_weight: float = 0.8  # EAGLE-3: TTT step k's loss weight step_weight**k
     command: list[str] | None = None  # recorded in the provenance
 
@@ -139,6 +152,11 @@ class TrainOptions:
             for k in ("block_size", "layers", "anchors", "decay_gamma"):
                 recipe[k] = getattr(self, k)
             recipe["sample_from_anchor"] = self.anchor_first()
+            # recorded where they differ from the defaults, so earlier checkpoints still resume
+            if self.token_loss != DEFAULT_TOKEN_LOSS:
+                recipe["token_loss"] = self.token_loss
+            if self.freeze_head:
+                recipe["freeze_head"] = True
             if self.algorithm == "dspark":
                 for k in ("markov_rank", "markov_head", "confidence_head", "confidence_weight"):
                     recipe[k] = getattr(self, k)
@@ -201,10 +219,37 @@ class TrainOptions:
             raise DrafterError(f"--decay-gamma {self.decay_gamma}: expected a positive number")
         if not (math.isfinite(self.confidence_weight) and self.confidence_weight >= 0):
             raise DrafterError(f"--confidence-weight {self.confidence_weight}: expected 0 or more")
+        parse_loss_terms(self.token_loss)
 
 
 BLOCK_ALGORITHMS = ("dflash", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
+LOSS_TERMS = ("kl", "ce", "l1")
+
+
+def parse_loss_terms(text: str) -> dict[str, float]:
+    """'ce=0.1,l1=0.9' -> {'ce': 0.1, 'l1': 0.9}: each term once, weights >= 0, one above 0."""
+    terms: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        name = name.strip()
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if name not in LOSS_TERMS or name in terms or not (math.isfinite(value) and value >= 0):
+            raise DrafterError(
+                f"--token-loss {text!r}: expected terms like kl=1 or ce=0.1,l1=0.9, each of"
+                f" {', '.join(LOSS_TERMS)} at most once with a weight of 0 or more"
+            )
+        terms[name] = value
+    if not any(terms.values()):
+        raise DrafterError(f"--token-loss {text!r}: expected a term with a weight above 0")
+    return terms
+
+
+def format_loss_terms(terms: dict[str, float]) -> str:
+    return ",".join(f"{name}={terms[name]:g}" for name in LOSS_TERMS if name in terms)
 
 
 @dataclass

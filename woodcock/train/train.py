@@ -57,9 +57,9 @@ from woodcock.train.block_trainer import BlockRun, anchor_candidates
 from woodcock.train.checkpoints import (
     append_log,
     checkpoint_state,
+    drafter_weights,
     load_checkpoint,
     save_checkpoint,
-    trained_weights,
     trim_log,
 )
 from woodcock.train.data import (
@@ -397,7 +397,7 @@ def _write_drafter(
     """The trained drafter in the woodcock format, with how it was made in its provenance."""
     out, spec = Path(opts.out), run.spec
     vocab_map = VocabMap(vocab.head_ids, VocabCounts(vocab.counts, vocab.info))
-    drafter = Drafter(spec, vocab_map, trained_weights(run.model))
+    drafter = Drafter(spec, vocab_map, drafter_weights(run.model, spec))
     recipe = {
         **state["recipe"],
         "data": str(Path(opts.data).resolve()),
