@@ -1,10 +1,11 @@
 """Would an fp32 final norm and head remove the path dependence of a bf16 target's verification?
 (not a test): how far the one-row and the multi-row forward part at the last decoder layer's
 output, at the logits the model computes, and at logits computed from those hidden states
-through the final norm and head in fp32; and what the fp32 head costs.
+through the final norm and head in fp32; and what the fp32 head costs. Also how often plain
+greedy decoding's token is not the argmax of its logits (a tie of the rounded log-probabilities).
 
     python benchmarks/head_noise.py [--target T] [--dtype bfloat16] [--allow-tf32] [--rows 4]
-        [--no-chat] [--json FILE]
+        [--no-chat] [--tokens 128] [--json FILE]
 
 Windows of `rows` tokens at the end of a chat prompt, each from the same cache, forwarded in
 one forward and row by row (as woodcock.runtime.divergence.rounding_noise does). Reported: max
@@ -31,13 +32,15 @@ from woodcock.runtime.backend import configure_tf32
 configure_tf32("--allow-tf32" in sys.argv[1:])  # before MLX's first matmul
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
 
 from woodcock.default_target import resolve_pair  # noqa: E402
 from woodcock.prompts import load_prompts  # noqa: E402
 from woodcock.runtime.backend import describe, report  # noqa: E402
-from woodcock.runtime.divergence import NOISE_WINDOWS, ulp  # noqa: E402
+from woodcock.runtime.divergence import NOISE_WINDOWS  # noqa: E402
 from woodcock.runtime.generate import encode_prompt  # noqa: E402
 from woodcock.runtime.machine import cpu_model  # noqa: E402
+from woodcock.runtime.sampling import near_ties, ulp  # noqa: E402
 from woodcock.runtime.session import open_session  # noqa: E402
 from woodcock.runtime.target import MlxTarget  # noqa: E402
 
@@ -92,6 +95,25 @@ def path_differences(target: MlxTarget, heads: Heads, sequence: list[int], rows:
     return {**worst, "own_head_difference": own_head}
 
 
+def greedy_ties(model, prompt: list[int], tokens: int) -> dict:
+    """Over plain mlx-lm greedy decoding: the positions whose token is not the argmax of its
+    logits (the rounded log-probabilities tied it with a lower id), and those `near_ties` flags
+    (every such position must be among them)."""
+    kept = []
+
+    def keep(_, logits):
+        kept.append(logits)
+        return logits
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=tokens, logits_processors=[keep])
+    rows = list(zip(kept, [token for token, _ in steps], strict=False))  # one step computed ahead
+    return {
+        "greedy_positions": len(rows),
+        "greedy_not_argmax": sum(mx.argmax(logits).item() != token for logits, token in rows),
+        "greedy_near_ties": sum(near_ties(logits).item() for logits, _ in rows),
+    }
+
+
 def head_milliseconds(head, hidden: mx.array, repeats: int = 20) -> float:
     mx.eval(head(hidden))
     times = []
@@ -109,6 +131,7 @@ def main() -> None:
     parser.add_argument("--allow-tf32", action="store_true", help="TF32 fp32 matmuls on CUDA")
     parser.add_argument("--rows", type=int, default=4, help="rows of the multi-row forward")
     parser.add_argument("--no-chat", action="store_true", help="the prompt without a template")
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens to check for ties")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     if args.rows < 2:
@@ -122,6 +145,11 @@ def main() -> None:
     while len(sequence) < NOISE_WINDOWS * args.rows + 8:
         sequence = sequence + sequence
     found = path_differences(target, heads, sequence, args.rows)
+    found.update(
+        greedy_ties(
+            model, encode_prompt(session.tokenizer, text, chat=not args.no_chat), args.tokens
+        )
+    )
     found["logit_step"] = step = ulp(model.model.norm.weight.dtype, found["largest_logit"])
     hidden = mx.random.normal((args.rows, target.hidden_size)).astype(model.model.norm.weight.dtype)
     for rows in (1, args.rows):
@@ -145,6 +173,11 @@ def main() -> None:
             f"  head, {rows} row(s): model's {found[f'ms_model_head_{rows}_rows']:.3f} ms,"
             f" fp32 {found[f'ms_fp32_head_{rows}_rows']:.3f} ms"
         )
+    print(
+        f"  plain greedy decoding, {found['greedy_positions']} tokens: {found['greedy_not_argmax']}"
+        " not the logits' argmax (rounded log-probabilities tied it with a lower id),"
+        f" {found['greedy_near_ties']} flagged as near ties"
+    )
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"machine": machine, "dtype": dtype, **found}, file, indent=2)

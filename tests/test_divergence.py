@@ -17,12 +17,11 @@ from woodcock.runtime.divergence import (
     classify,
     first_divergence,
     rounding_noise,
-    ulp,
     verify_logits,
 )
 from woodcock.runtime.generate import encode_prompt, generate
 from woodcock.runtime.policy import FixedPolicy
-from woodcock.runtime.sampling import Sampling
+from woodcock.runtime.sampling import Sampling, ulp
 from woodcock.runtime.session import open_session
 from woodcock.runtime.target import MlxTarget
 

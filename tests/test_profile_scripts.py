@@ -50,6 +50,8 @@ def test_round_profile_and_head_noise_on_the_demo_pair(tmp_path):
     # the CPU computes a bf16 row alike alone and among others, and the model's head is its own
     assert noise["hidden"] == noise["logits"] == noise["fp32_head_logits"] == 0
     assert noise["own_head_difference"] == 0 and noise["logit_step"] > 0
+    assert noise["greedy_positions"] == 128
+    assert noise["greedy_near_ties"] >= noise["greedy_not_argmax"]  # every tie is flagged
     assert all(
         noise[f"ms_{head}_head_{rows}_rows"] > 0 for head in ("model", "fp32") for rows in (1, 4)
     )
