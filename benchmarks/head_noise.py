@@ -2,7 +2,8 @@
 (not a test): how far the one-row and the multi-row forward part at the last decoder layer's
 output, at the logits the model computes, and at logits computed from those hidden states
 through the final norm and head in fp32; and what the fp32 head costs. Also how often plain
-greedy decoding's token is not the argmax of its logits (a tie of the rounded log-probabilities).
+greedy decoding's token is not the argmax of its logits (a tie of the rounded log-probabilities),
+and what the greedy choice costs each way (woodcock.runtime.sampling).
 
     python benchmarks/head_noise.py [--target T] [--dtype bfloat16] [--allow-tf32] [--rows 4]
         [--no-chat] [--tokens 128] [--json FILE]
@@ -40,7 +41,7 @@ from woodcock.runtime.backend import describe, report  # noqa: E402
 from woodcock.runtime.divergence import NOISE_WINDOWS  # noqa: E402
 from woodcock.runtime.generate import encode_prompt  # noqa: E402
 from woodcock.runtime.machine import cpu_model  # noqa: E402
-from woodcock.runtime.sampling import near_ties, ulp  # noqa: E402
+from woodcock.runtime.sampling import greedy_tokens, near_ties, ulp  # noqa: E402
 from woodcock.runtime.session import open_session  # noqa: E402
 from woodcock.runtime.target import MlxTarget  # noqa: E402
 
@@ -155,6 +156,12 @@ def main() -> None:
     for rows in (1, args.rows):
         found[f"ms_model_head_{rows}_rows"] = head_milliseconds(heads.model_dtype, hidden[:rows])
         found[f"ms_fp32_head_{rows}_rows"] = head_milliseconds(heads.fp32, hidden[:rows])
+    choices = {"argmax": lambda x: mx.argmax(x, axis=-1), "near_ties": near_ties}
+    choices["greedy_tokens"] = greedy_tokens
+    for rows in (1, args.rows, 32):
+        logits = mx.random.normal((rows, target.vocab_size)).astype(hidden.dtype)
+        for name, choice in choices.items():
+            found[f"ms_{name}_{rows}_rows"] = head_milliseconds(choice, logits)
     machine = f"{cpu_model() or platform.machine()}, {describe(report())}"
     dtype = str(model.model.norm.weight.dtype).removeprefix("mlx.core.")
     print(
@@ -172,6 +179,13 @@ def main() -> None:
         print(
             f"  head, {rows} row(s): model's {found[f'ms_model_head_{rows}_rows']:.3f} ms,"
             f" fp32 {found[f'ms_fp32_head_{rows}_rows']:.3f} ms"
+        )
+    for rows in (1, args.rows, 32):
+        print(
+            f"  the greedy choice, {rows} row(s): the logits' argmax"
+            f" {found[f'ms_argmax_{rows}_rows']:.3f} ms, near_ties"
+            f" {found[f'ms_near_ties_{rows}_rows']:.3f} ms, the log-probabilities' argmax"
+            f" {found[f'ms_greedy_tokens_{rows}_rows']:.3f} ms"
         )
     print(
         f"  plain greedy decoding, {found['greedy_positions']} tokens: {found['greedy_not_argmax']}"

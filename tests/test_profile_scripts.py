@@ -52,6 +52,8 @@ def test_round_profile_and_head_noise_on_the_demo_pair(tmp_path):
     assert noise["own_head_difference"] == 0 and noise["logit_step"] > 0
     assert noise["greedy_positions"] == 128
     assert noise["greedy_near_ties"] >= noise["greedy_not_argmax"]  # every tie is flagged
+    choices = ("argmax", "near_ties", "greedy_tokens")
+    assert all(noise[f"ms_{c}_{rows}_rows"] > 0 for c in choices for rows in (1, 4, 32))
     assert all(
         noise[f"ms_{head}_head_{rows}_rows"] > 0 for head in ("model", "fp32") for rows in (1, 4)
     )
