@@ -101,12 +101,8 @@ def greedy_answers(
         newest, unsure = following, following_unsure
         exact = greedy_tokens(last).astype(mx.int32)
         if corrected:
-            fixed = mx.zeros(newest.shape, mx.bool_)
-            fixed[mx.array(list(corrected), mx.int32)] = True
-            right = mx.zeros(newest.shape, mx.int32)
-            right[mx.array(list(corrected), mx.int32)] = mx.array(list(corrected.values()))
-            newest, exact = mx.where(fixed, right, newest), mx.where(fixed, right, exact)
-            unsure = mx.where(fixed, False, unsure)
+            fixed, right = mx.array(list(corrected)), mx.array(list(corrected.values()), mx.int32)
+            newest[fixed], exact[fixed], unsure[fixed] = right, right, False
         if finished:
             newest, unsure, exact = _drop_rows(rows, decoding, [newest, unsure, exact], finished)
 
