@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from woodcock.errors import DrafterError
-from woodcock.loading import resolve_source
+from woodcock.loading import load_drafter, resolve_source
 
 UNFETCHABLE = "woodcock-tests/no-such-model"
 WOODCOCK = [sys.executable, "-c", "from woodcock.cli import main; main()"]
@@ -201,3 +201,24 @@ def test_an_existing_local_directory_is_never_looked_up(monkeypatch, tmp_path):
     local.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert resolve_source("org/name") == Path("org/name")
+
+
+def test_a_path_marked_local_is_never_looked_up(monkeypatch, tmp_path):
+    """`./org/name` is a local path even where it does not exist (a typo), and so is a Path,
+    whose text drops the `./`: a source resolved once is not looked up the second time."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **_: pytest.fail("looked up"))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_source("./org/name") == Path("org/name")
+    assert resolve_source(Path("org/name")) == Path("org/name")
+    with pytest.raises(DrafterError, match="^org/name: no such file or directory$"):
+        load_drafter("./org/name")
+
+
+def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path):
+    result = _run(["inspect", f"./{UNFETCHABLE}"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"woodcock: error: {UNFETCHABLE}: no such file or directory"
+    ]

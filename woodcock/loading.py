@@ -19,11 +19,13 @@ HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_source(source: str | Path) -> Path:
-    """A local directory as is; `org/name` not present locally is a Hugging Face repository,
-    fetched (or found in the local cache when offline) with huggingface_hub. One that cannot be
-    had is a DrafterError saying why and what to do instead."""
+    """A local directory as is; a string `org/name` not present locally is a Hugging Face
+    repository, fetched (or found in the local cache when offline) with huggingface_hub. One
+    that cannot be had is a DrafterError saying why and what to do instead. A Path is always
+    local: `Path("./org/name")` prints as `org/name`, and a source resolved once must not be
+    looked up on the Hub the second time."""
     path = Path(source).expanduser()
-    if path.exists() or not HF_REPO_ID.fullmatch(str(source)):
+    if isinstance(source, Path) or path.exists() or not HF_REPO_ID.fullmatch(source):
         return path
     import huggingface_hub
 
