@@ -135,6 +135,25 @@ OUT_OF_RANGE = [
         "--holdout 1.5",
     ),
     (["generate", "--bogus"], "No such option: --bogus"),
+    (["generate", "--prompt", "x", "--temp", "inf"], "--temp inf"),
+    (["train", "--data", "d", "--out", "OUT/t", "--seed", "-1"], "--seed -1"),
+    (["vocab", "count", "d", "--target", "t", "--out", "OUT/v", "--seed", "-1"], "--seed -1"),
+    # an option of another kind of drafter is refused, not ignored
+    (["train", "--data", "d", "--out", "OUT/t", "--block-size", "4"], "--block-size 4"),
+    (
+        ["train", "--data", "d", "--out", "OUT/t", "--algorithm", "dflash", "--markov-rank", "8"],
+        "--markov-rank 8: an option of --algorithm dspark, not of dflash",
+    ),
+    (
+        ["train", "--data", "d", "--out", "OUT/t", "--algorithm", "dspark", "--ttt-steps", "2"],
+        "--ttt-steps 2",
+    ),
+    (
+        ["distill", "--prompts", "p.jsonl", "--out", "OUT/d", "--no-chat", "--system", "s"],
+        "--system",
+    ),
+    (["bench", "--compare-lookup", "--no-lookup"], "--compare-lookup"),
+    (["serve", "--no-prefix-cache", "--prefix-cache-gb", "4"], "--prefix-cache-gb 4"),
 ]
 
 

@@ -11,6 +11,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from woodcock.cli import main
+from woodcock.errors import DrafterError
 from woodcock.runtime.generate import encode_prompt
 
 
@@ -133,3 +134,26 @@ def test_no_round_proposes_more_than_the_tokens_left(demo_dir, capsys, max_token
     if report["finish_reason"] == "length":
         assert report["generation_tokens"] == max_tokens
         assert report["tokens_per_round"] * report["rounds"] + 1 == pytest.approx(max_tokens)
+
+
+def test_a_prompt_and_limit_past_the_targets_context_are_refused(demo_dir, capsys):
+    args = ["generate", "--target", str(demo_dir / "target"), "--drafter", str(demo_dir / "drafter"), "--prompt", "Hi", "--no-chat"]
+    code, out, err = run_cli(args + ["--max-tokens", "5000"], capsys)
+    lines = [line for line in err.splitlines() if not line.startswith("woodcock: warning")]
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("woodcock: error: --max-tokens 5000: ")
+    assert "prompt tokens + 5000 exceed the target's context of 4096 tokens" in lines[0]
+
+
+def test_a_system_prompt_is_refused_where_no_chat_template_takes_it():
+    class Plain:
+        has_chat_template = False
+
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)]
+
+    assert encode_prompt(Plain(), "Hi", chat=True) == [2]
+    with pytest.raises(DrafterError, match="--system: a system prompt needs the chat template, and the target's tokenizer has none"):
+        encode_prompt(Plain(), "Hi", chat=True, system="Be brief.")
+    with pytest.raises(DrafterError, match="drop --no-chat"):
+        encode_prompt(Plain(), "Hi", chat=False, system="Be brief.")

@@ -385,7 +385,7 @@ def test_resume_continues_with_the_same_losses(work, tmp_path, monkeypatch):
     with pytest.raises(DrafterError, match="steps"):
         T.train(options("cut", resume=True, steps=11))
     with pytest.raises(DrafterError, match="with algorithm = 'eagle3', this run asks for 'dspark'"):
-        T.train(options("cut", resume=True, algorithm="dspark", head_size=None))
+        T.train(options("cut", resume=True, algorithm="dspark", head_size=None, ttt_steps=3))
     # moved: the answers and the checkpoints copied elsewhere, the target named by another
     # path, the default taps given explicitly: still the same run
     moved = tmp_path / "moved"

@@ -315,12 +315,30 @@ def test_vocab_count_jsonl_of_token_ids(target_dir, tmp_path, capsys):
     [
         (["--holdout", "1.5"], "expected a fraction in [0, 1)"),
         (["--glob", "*.rst"], "no files match --glob '*.rst'"),
+        (["--seed", "-1"], "--seed -1: expected 0 or more"),
     ],
 )
 def test_vocab_count_refusals(target_dir, corpus_dir, tmp_path, capsys, extra, message):
     argv = ["vocab", "count", str(corpus_dir), "--target", str(target_dir)]
     code, _, err = run([*argv, "--out", str(tmp_path / "o"), *extra], capsys)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_vocab_count_takes_the_default_target(
+    target_dir, corpus_dir, tmp_path, capsys, monkeypatch
+):
+    """No --target, or the default target's name, as every other command takes it."""
+    import woodcock.default_target
+
+    monkeypatch.setattr(woodcock.default_target, "default_target_path", lambda: target_dir)
+    named = ["--target", woodcock.default_target.DEFAULT_TARGET]
+    for out, extra in [("default", []), ("named", named), ("path", ["--target", str(target_dir)])]:
+        argv = ["vocab", "count", str(corpus_dir), "--out", str(tmp_path / out), *extra]
+        code, _, err = run(argv, capsys)
+        assert code == 0, err
+    expected = load_counts(tmp_path / "path").counts.counts
+    for out in ("default", "named"):
+        assert np.array_equal(load_counts(tmp_path / out).counts.counts, expected)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -449,6 +449,8 @@ def benchmark(
     `prompt_file`), each decoded plainly and then by every drafter, policy and lookup setting
     (both when compare_lookup); a PNG chart too when `chart` names one. measuring: (done, total)
     while a latency profile is measured; progress: (done, total) after each prompt's run."""
+    if compare_lookup and not lookup:
+        raise DrafterError("--compare-lookup runs with prompt lookup and without: drop --no-lookup")
     if chart is not None:
         _pyplot()  # before the measuring, which a missing matplotlib would waste
     if prompt_file is not None:

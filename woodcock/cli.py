@@ -334,6 +334,7 @@ def generate(
     sampling follows the target's distribution exactly."""
     configure_tf32(allow_tf32)
     from woodcock.generation import generate_report
+    from woodcock.runtime.generate import check_system_prompt
 
     if (prompt is None) == (prompt_file is None):
         raise DrafterError("give exactly one of --prompt and --prompt-file")
@@ -350,8 +351,7 @@ def generate(
         raise DrafterError(f"{prompt_file or '--prompt'}: the prompt is empty")
     if stop and not all(stop):
         raise DrafterError("--stop '': expected a non-empty stop string")
-    if system is not None and not chat:
-        raise DrafterError("--system: a system prompt needs the chat template; drop --no-chat")
+    check_system_prompt(system, chat=chat)
 
     def show(segment: str) -> None:
         print(segment, end="", flush=True)

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from woodcock.cli_options import DefaultableTarget
 from woodcock.converters.vocab import COUNTS_FILE, COUNTS_INFO, coverage_by_size
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import is_int_list, jsonl_records, outside_range
@@ -56,15 +57,10 @@ def count_command(
     source: Annotated[
         Path, typer.Argument(help="A directory of text files, or a .jsonl of token ids or texts.")
     ],
-    target: Annotated[
-        Path,
-        typer.Option(
-            "--target", help="Target model directory: config.json (vocab_size) and tokenizer."
-        ),
-    ],
     out: Annotated[
         Path, typer.Option("--out", help="Directory for vocab_counts.npz and vocab_counts.json.")
     ],
+    target: DefaultableTarget = None,
     holdout: Annotated[
         float, typer.Option("--holdout", help="Fraction of segments held out for coverage.")
     ] = 0.05,
@@ -77,7 +73,11 @@ def count_command(
     ] = False,
 ) -> None:
     """Count target tokens in a corpus: vocab_counts.npz + vocab_counts.json."""
-    info = count_tokens(source, target, out, holdout=holdout, seed=seed, glob=glob, force=force)
+    from woodcock.default_target import resolve_target
+    from woodcock.loading import resolve_source
+
+    target_dir = resolve_source(resolve_target(target))
+    info = count_tokens(source, target_dir, out, holdout=holdout, seed=seed, glob=glob, force=force)
     tokens = info["tokens"]
     coverage = info["holdout_coverage"]
     shown = (
@@ -107,6 +107,8 @@ def count_tokens(
     source, target, out = Path(source), Path(target), Path(out)
     if not 0.0 <= holdout < 1.0:
         raise DrafterError(f"--holdout {holdout}: expected a fraction in [0, 1)")
+    if seed < 0:
+        raise DrafterError(f"--seed {seed}: expected 0 or more")
     if not source.exists():
         raise DrafterError(f"{source}: no such file or directory")
     files = [out / COUNTS_FILE, out / COUNTS_INFO]

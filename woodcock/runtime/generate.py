@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, speculative_generate_step
 from woodcock.runtime.sampling import LogitsProcessor, Sampling
 
@@ -18,11 +19,24 @@ def encode_prompt(
     tokenizer, prompt: str, *, chat: bool = True, system: str | None = None
 ) -> list[int]:
     """As mlx_lm.generate does: the chat template when asked for and present, then encode."""
+    check_system_prompt(system, chat=chat, chat_template=tokenizer.has_chat_template)
     if chat and tokenizer.has_chat_template:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return encode_messages(tokenizer, messages)
     return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def check_system_prompt(system: str | None, *, chat: bool, chat_template: bool = True) -> None:
+    """A system prompt goes only through a chat template: refused, not dropped, without one."""
+    if system is None:
+        return
+    if not chat:
+        raise DrafterError("--system: a system prompt needs the chat template; drop --no-chat")
+    if not chat_template:
+        raise DrafterError(
+            "--system: a system prompt needs the chat template, and the target's tokenizer has none"
+        )
 
 
 def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:

@@ -28,8 +28,8 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise DrafterError(f"--temp {self.temperature}: expected 0 (greedy) or more")
+        if not 0 <= self.temperature < math.inf:
+            raise DrafterError(f"--temp {self.temperature}: expected 0 (greedy) or a finite number")
         if not 0 <= self.top_p <= 1 or not 0 <= self.min_p <= 1 or self.top_k < 0:
             raise DrafterError(
                 f"top_p {self.top_p}, min_p {self.min_p}, top_k {self.top_k}: expected"

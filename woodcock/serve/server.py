@@ -118,6 +118,11 @@ def serve(
         raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
     if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
         raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected a number at least 0")
+    if not prefix_cache and prefix_cache_gb != DEFAULT_PREFIX_CACHE_GB:
+        raise DrafterError(
+            f"--prefix-cache-gb {prefix_cache_gb}: sizes a prefix cache that --no-prefix-cache"
+            " turns off; give one of them"
+        )
     if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
         raise DrafterError(f"--request-timeout {request_timeout}: expected a number of seconds > 0")
     prefix_cache = prefix_cache and prefix_cache_gb > 0

@@ -35,7 +35,7 @@ from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import is_int_list, jsonl_records, read_json_object, write_json
 from woodcock.provenance import identity, portable_path
-from woodcock.runtime.generate import encode_messages, encode_prompt
+from woodcock.runtime.generate import check_system_prompt, encode_messages, encode_prompt
 from woodcock.runtime.greedy_batch import greedy_answers
 from woodcock.runtime.target import MlxTarget
 from woodcock.target_checkpoint import load_mlx_target
@@ -250,6 +250,7 @@ def distill(
     target). progress(done, total) is called as answers finish."""
     if max_tokens < 1 or batch < 1:
         raise DrafterError(f"--max-tokens {max_tokens}, --batch {batch}: expected at least 1")
+    check_system_prompt(system, chat=chat)
     out = Path(out)
     prompts = _prompt_records(prompts_file)
     if target is None:

@@ -1,7 +1,7 @@
 """What a training run is asked for (`TrainOptions`, checked before any work; its fields declare
 `woodcock train`'s options) and what it reports. One option set serves every algorithm: the
 EAGLE-3 chain options (ttt_steps, step_weight) and the block options (block_size ..
-confidence_weight) are each ignored, and left out of the recipe, by the other kind."""
+freeze_head) are each left out of the recipe by the other kind, and refused when given to it."""
 
 from __future__ import annotations
 
@@ -193,12 +193,21 @@ class TrainOptions:
             raise DrafterError(f"--min-lr-ratio {self.min_lr_ratio}: expected a share in [0, 1]")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise DrafterError(f"--weight-decay {self.weight_decay}: expected 0 or more")
+        if not 0 <= self.seed < 2**64:
+            raise DrafterError(f"--seed {self.seed}: expected an integer in [0, 2**64)")
         if self.warmup is not None and self.warmup < 0:
             raise DrafterError(f"--warmup {self.warmup}: expected 0 or more")
         if self.warmup_steps() > self.steps:
             raise DrafterError(f"--warmup {self.warmup}: more than --steps {self.steps}")
         if self.finish and not self.resume:
             raise DrafterError("--finish ends a checkpointed run: pass --resume with it")
+        for name, algorithms in OPTION_ALGORITHMS.items():
+            given = getattr(self, name)
+            if self.algorithm not in algorithms and given != _default(name):
+                raise DrafterError(
+                    f"--{name.replace('_', '-')} {given}: an option of --algorithm"
+                    f" {' or '.join(algorithms)}, not of {self.algorithm}"
+                )
 
     def _check_block(self) -> None:
         if self.block_size < 1 + (not self.anchor_first()):
@@ -225,6 +234,24 @@ class TrainOptions:
 BLOCK_ALGORITHMS = ("dflash", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 LOSS_TERMS = ("kl", "ce", "l1")
+
+# the options one kind of drafter uses; given to another (a value other than the default) they
+# are refused rather than ignored: `--block-size 8` without `--algorithm dspark` trains EAGLE-3
+OPTION_ALGORITHMS = {
+    "ttt_steps": ("eagle3",),
+    **dict.fromkeys(
+        ("block_size", "layers", "sample_from_anchor", "anchors", "decay_gamma", "token_loss"),
+        BLOCK_ALGORITHMS,
+    ),
+    "freeze_head": BLOCK_ALGORITHMS,
+    **dict.fromkeys(
+        ("markov_rank", "markov_head", "confidence_head", "confidence_weight"), ("dspark",)
+    ),
+}
+
+
+def _default(name: str) -> Any:
+    return TrainOptions.__dataclass_fields__[name].default
 
 
 def parse_loss_terms(text: str) -> dict[str, float]:
