@@ -186,6 +186,8 @@ USER = [{"role": "user", "content": "Hi"}]
 BAD_REQUESTS = [
     # (name, path, body, status, error type, part of the message)
     ("malformed JSON", "/v1/messages", b'{"messages": [', 400, "invalid_request_error", "not valid JSON"),
+    ("half an emoji in the system prompt", "/v1/messages", b'{"max_tokens": 4, "system": "\\ud800", "messages": []}', 400, "invalid_request_error", "system: a lone UTF-16 surrogate"),
+    ("half an emoji, counting tokens", "/v1/messages/count_tokens", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "invalid_request_error", "messages[0].content: a lone UTF-16 surrogate"),
     ("no max_tokens", "/v1/messages", {"messages": USER}, 400, "invalid_request_error", "max_tokens: required"),
     ("zero max_tokens", "/v1/messages", {"messages": USER, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens = 0"),
     ("no messages", "/v1/messages", {"max_tokens": 4}, 400, "invalid_request_error", "messages: required"),

@@ -81,16 +81,48 @@ def _no_constants(name: str):
 
 
 def parse_json_body(raw: bytes) -> dict:
-    """A request's body: a JSON object (NaN and Infinity are not JSON)."""
+    """A request's body: a JSON object (NaN and Infinity are not JSON) whose strings are text: a
+    lone UTF-16 surrogate (`"\ud800"`, half an emoji cut by a client) is valid JSON but no
+    tokenizer can encode it."""
     try:
         body = json.loads(raw, parse_constant=_no_constants)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"the body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        message = "the body is not valid JSON (nested too deeply)"
+        raise RequestError(message, code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(
             f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json"
         )
+    _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                pending.append((f"{where}.{key}" if where else str(key), item))
+                _check_text(where or "the body", key)
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(where, value)
+
+
+def _check_text(where: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            f"{where}: a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}) is not"
+            " text; send whole characters",
+            param=where,
+            code="invalid_value",
+        ) from None
 
 
 @dataclass
@@ -303,8 +335,9 @@ def chat_messages(body: dict) -> list[dict]:
             )
         role = message.get("role")
         if role not in ROLES:
+            given = "required" if role is None else f"{role!r}"
             raise RequestError(
-                f"{param}.role: {role!r}: expected one of {', '.join(sorted(ROLES))}",
+                f"{param}.role: {given}: expected one of {', '.join(sorted(ROLES))}",
                 param=f"{param}.role",
                 code="invalid_value",
             )
