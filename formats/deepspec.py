@@ -144,7 +144,7 @@ def prepare(drafter: Drafter) -> hf.Output:
     shared = [part for part in ("embedding", "lm_head") if getattr(spec.head, part) == "shared"]
     if shared:
         problems.append(
-            f"a {' and '.join(shared)} shared with the target (DeepSpec stores both; pass"
+            f"the {' and '.join(shared)} shared with the target (DeepSpec stores both; pass"
             " --target to copy them in)"
         )
     return block.output(

@@ -132,6 +132,9 @@ def check_full_attention(config: Mapping[str, Any], count: int) -> None:
             raise DrafterError(
                 f"layer_types = {layer_types!r}: expected {count} entries (num_hidden_layers)"
             )
+        for i, kind in enumerate(layer_types):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise DrafterError(f"layer_types[{i}] = {kind!r}: expected 'full_attention'")
         if any(kind != "full_attention" for kind in layer_types):
             raise DrafterError(
                 f"layer_types = {layer_types!r}: sliding-window layers in a block are not"
@@ -161,7 +164,11 @@ def read_dflash_config(config: dict, known: set[str]) -> dict:
 
 def read_target_layers(config: dict) -> int | None:
     n = config.get("num_target_layers")
-    return None if n is None else hf.integer(n, "num_target_layers")
+    if n is None:
+        return None
+    if hf.integer(n, "num_target_layers") < 1:
+        raise DrafterError(f"num_target_layers = {n}: expected the target's layer count, >= 1")
+    return n
 
 
 def refuse_own_head(path: Path, tensors: dict, fmt: str) -> None:

@@ -207,6 +207,13 @@ def read_taps(
             " which no canonical tap id means"
         )
     canonical = to_canonical(stored, convention)
+    if target_layers is not None:
+        outside = [s for s, c in zip(stored, canonical, strict=True) if not 0 <= c <= target_layers]
+        if outside:
+            raise DrafterError(
+                f"{key} = {stored!r}: {outside[0]} is no layer of the {target_layers}-layer target"
+                " (num_target_layers)"
+            )
     if override is not None and tuple(override) != canonical:
         raise DrafterError(
             f"{key} = {stored!r} ({convention}) is canonical {list(canonical)}; --taps"

@@ -185,6 +185,12 @@ BLOCK = tiny_spec("dflash")
             "block_size = 1: expected room for at least one draft",
         ),
         (
+            lambda: dataclasses.replace(
+                BLOCK, algorithm=dataclasses.replace(BLOCK.algorithm, block_size=10**12)
+            ),
+            r"algorithm.block_size = 1000000000000: expected at most the layers' context",
+        ),
+        (
             lambda: tiny_spec("dspark", markov_rank=0),
             "confidence_head_with_markov = True: expected false when markov_rank is 0",
         ),

@@ -583,6 +583,22 @@ def test_deepspec_dflash_is_a_dspark_without_heads(tmp_path):
         (lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings = true"),
         (lambda c: c.update(target_layer_ids=[1, 3, 7]), r"includes the last target layer \(7\)"),
         (
+            lambda c: c.update(target_layer_ids=[1, 3, 10]),
+            r"target_layer_ids = \[1, 3, 10\]: 10 is no layer of the 8-layer target",
+        ),
+        (
+            lambda c: c.update(layer_types=["full_attention", "weird"]),
+            r"layer_types\[1\] = 'weird': expected 'full_attention'",
+        ),
+        (
+            lambda c: c.update(num_target_layers=0),
+            r"config.json: num_target_layers = 0: expected the target's layer count",
+        ),
+        (
+            lambda c: c.update(block_size=10**12),
+            r"algorithm.block_size = 1000000000000: expected at most the layers' context",
+        ),
+        (
             lambda c: (
                 c.pop("layer_types"),
                 c.update(use_sliding_window=True, max_window_layers=1),

@@ -493,6 +493,13 @@ class DrafterSpec(Validated):
                     layer.attention,
                     "'block_bidirectional' or 'block_causal' in a block drafter",
                 )
+        context = self.layers[0].max_position_embeddings
+        if algorithm.block_size > context:
+            _fail(
+                "algorithm.block_size",
+                algorithm.block_size,
+                f"at most the layers' context, max_position_embeddings = {context}",
+            )
         if algorithm.mask_token_id >= self.target.vocab_size:
             _fail(
                 "algorithm.mask_token_id",
