@@ -608,6 +608,7 @@ BAD_REQUESTS = [
     ("n of 2", "/v1/chat/completions", {"messages": USER, "n": 2}, 400, "n", "n = 2"),
     ("empty stop", "/v1/completions", {"prompt": "x", "stop": ["a", ""]}, 400, "stop", "empty stop"),
     ("stop a number", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", "expected a string or an array"),
+    ("stop with a number", "/v1/completions", {"prompt": "x", "stop": ["a", None]}, 400, "stop[1]", "stop[1]: expected a string, got null"),
     ("stream a string", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "expected a boolean"),
     ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "only allowed with logprobs: true"),

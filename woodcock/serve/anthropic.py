@@ -18,6 +18,7 @@ from woodcock.serve.request import (
     RequestError,
     chat_messages,
     content_text,
+    json_type,
     parse_request,
     stop_strings,
 )
@@ -98,9 +99,10 @@ def _parse_as_chat(body: dict, facts: ModelFacts, max_tokens) -> GenerationReque
                 param="temperature",
                 code="invalid_value",
             )
-    if isinstance(body.get("stop_sequences"), str):
+    sequences = body.get("stop_sequences")
+    if sequences is not None and not isinstance(sequences, list):
         raise RequestError(
-            "stop_sequences: expected an array of strings, got a string",
+            f"stop_sequences: expected an array of strings, got {json_type(sequences)}",
             param="stop_sequences",
             code="invalid_type",
         )

@@ -70,7 +70,7 @@ def model_not_found(name: str, model_id: str) -> RequestError:
     )
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     names.update({list: "an array", dict: "an object", type(None): "null"})
     return names.get(type(value), type(value).__name__)
@@ -93,7 +93,7 @@ def parse_json_body(raw: bytes) -> dict:
         raise RequestError(message, code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(
-            f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json"
+            f"the body must be a JSON object, got {json_type(body)}", code="invalid_json"
         )
     _refuse_lone_surrogates(body)
     return body
@@ -165,7 +165,7 @@ def _number(body: dict, name: str, default, *, low=None, high=None, integer: boo
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise RequestError(
-            f"{name}: expected {kind}, got {_json_type(value)}", param=name, code="invalid_type"
+            f"{name}: expected {kind}, got {json_type(value)}", param=name, code="invalid_type"
         )
     if (low is not None and value < low) or (high is not None and value > high):
         if low is not None and high is not None:
@@ -184,7 +184,7 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
         return default
     if not isinstance(value, bool):
         raise RequestError(
-            f"{name}: expected a boolean, got {_json_type(value)}", param=name, code="invalid_type"
+            f"{name}: expected a boolean, got {json_type(value)}", param=name, code="invalid_type"
         )
     return value
 
@@ -249,7 +249,7 @@ def _logit_bias(body: dict, facts: ModelFacts) -> dict[int, float] | None:
         return None
     if not isinstance(bias, dict):
         raise RequestError(
-            f"logit_bias: expected an object, got {_json_type(bias)}",
+            f"logit_bias: expected an object, got {json_type(bias)}",
             param="logit_bias",
             code="invalid_type",
         )
@@ -290,14 +290,14 @@ def content_text(content, param: str) -> str:
                 )
             if not isinstance(part.get("text"), str):
                 raise RequestError(
-                    f"{param}[{i}].text: expected a string, got {_json_type(part.get('text'))}",
+                    f"{param}[{i}].text: expected a string, got {json_type(part.get('text'))}",
                     param=f"{param}[{i}].text",
                     code="invalid_type",
                 )
             texts.append(part["text"])
         return "".join(texts)
     raise RequestError(
-        f"{param}: expected a string or an array of text parts, got {_json_type(content)}",
+        f"{param}: expected a string or an array of text parts, got {json_type(content)}",
         param=param,
         code="invalid_type",
     )
@@ -318,7 +318,7 @@ def chat_messages(body: dict) -> list[dict]:
         )
     if not isinstance(messages, list) or not messages:
         raise RequestError(
-            f"messages: expected a non-empty array, got {_json_type(messages)}"
+            f"messages: expected a non-empty array, got {json_type(messages)}"
             if not isinstance(messages, list)
             else "messages: expected at least one message",
             param="messages",
@@ -329,7 +329,7 @@ def chat_messages(body: dict) -> list[dict]:
         param = f"messages[{i}]"
         if not isinstance(message, dict):
             raise RequestError(
-                f"{param}: expected an object, got {_json_type(message)}",
+                f"{param}: expected an object, got {json_type(message)}",
                 param=param,
                 code="invalid_type",
             )
@@ -380,7 +380,7 @@ def _prompt_ids(body: dict, facts: ModelFacts) -> list[int]:
     else:
         raise RequestError(
             "prompt: expected a string, an array of token ids or an array of one of them, got"
-            f" {_json_type(prompt)}",
+            f" {json_type(prompt)}",
             param="prompt",
             code="invalid_type",
         )
@@ -394,12 +394,19 @@ def stop_strings(body: dict, name: str = "stop") -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, list):
         raise RequestError(
-            f"{name}: expected a string or an array of strings, got {_json_type(stop)}",
+            f"{name}: expected a string or an array of strings, got {json_type(stop)}",
             param=name,
             code="invalid_type",
         )
+    for i, item in enumerate(stops):
+        if not isinstance(item, str):
+            raise RequestError(
+                f"{name}[{i}]: expected a string, got {json_type(item)}",
+                param=f"{name}[{i}]",
+                code="invalid_type",
+            )
     if any(not s for s in stops):
         raise RequestError(f"{name}: empty stop strings", param=name, code="invalid_value")
     return tuple(stops)
@@ -411,7 +418,7 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
     if model is not None:
         if not isinstance(model, str):
             raise RequestError(
-                f"model: expected a string, got {_json_type(model)}",
+                f"model: expected a string, got {json_type(model)}",
                 param="model",
                 code="invalid_type",
             )
@@ -422,7 +429,7 @@ def parse_request(body: dict, endpoint: str, facts: ModelFacts) -> GenerationReq
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(
-            f"stream_options: expected an object, got {_json_type(options)}",
+            f"stream_options: expected an object, got {json_type(options)}",
             param="stream_options",
             code="invalid_type",
         )
