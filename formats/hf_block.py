@@ -86,7 +86,7 @@ def read(
     tensors = hf.read_tensors(path, renames)
     if head.lm_head == "shared":
         refuse_own_head(path, tensors, fmt)
-    with error_prefix(f"{path}: "):
+    with error_prefix(f"{path}: "), hf.naming_defaulted_dimensions(config, hf.QWEN3_DEFAULTS):
         spec = DrafterSpec(
             algorithm=algorithm,
             target=Target(

@@ -9,7 +9,8 @@ stores it. Tensors are the drafter's own arrays under new names: a rename never 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,38 @@ HF_LAYER_DEFAULTS: dict[str, dict[str, Any]] = {
 QWEN3_DEFAULTS = HF_LAYER_DEFAULTS["qwen3"]  # checked against transformers in the tests
 LLAMA_DEFAULTS = HF_LAYER_DEFAULTS["llama"]
 DEFAULT_ROPE_THETA = 10000.0
+# the keys that size a drafter's tensors
+DIMENSION_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+@contextlib.contextmanager
+def naming_defaulted_dimensions(
+    config: Mapping[str, Any], defaults: Mapping[str, Any], where: str = ""
+) -> Iterator[None]:
+    """A tensor of a shape the config does not imply, where the config left a dimension to the
+    class default (as transformers reads it): the likely cause is the missing key, so the error
+    names it besides the tensor."""
+    try:
+        yield
+    except DrafterError as e:
+        missing = [k for k in DIMENSION_KEYS if k not in config and defaults.get(k) is not None]
+        if ".shape = " not in str(e) or not missing:
+            raise
+        names = ", ".join(where + k for k in missing)
+        values = ", ".join(str(defaults[k]) for k in missing)
+        plural = "s" if len(missing) > 1 else ""
+        raise DrafterError(
+            f"{e} (config.json does not state {names}; the Hugging Face class default{plural}"
+            f" {values} {'were' if plural else 'was'} taken)"
+        ) from None
 
 
 @dataclass

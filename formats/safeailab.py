@@ -123,7 +123,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
             f"{path}: target_hidden_size is set, so SafeAILab uses the checkpoint's own"
             " embed_tokens.weight, which is missing (the runtime would leave it random)"
         )
-    with error_prefix(f"{path}: "):
+    with error_prefix(f"{path}: "), hf.naming_defaulted_dimensions(config, hf.LLAMA_DEFAULTS):
         spec = DrafterSpec(
             algorithm=Eagle3(norm_before_residual=False, norm_output=False),
             target=target,

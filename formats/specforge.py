@@ -134,7 +134,7 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         fc_norm = hf.boolean(config.get("fc_norm", False), "fc_norm")
     tensors = hf.read_tensors(path, RENAMES)
     vocab = hf.vocab_from_offsets(path, tensors, draft_vocab, target.vocab_size)
-    with error_prefix(f"{path}: "):
+    with error_prefix(f"{path}: "), hf.naming_defaulted_dimensions(config, hf.LLAMA_DEFAULTS):
         spec = DrafterSpec(
             algorithm=Eagle3(norm_before_residual=False, norm_output=False),
             target=target,

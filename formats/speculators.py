@@ -171,7 +171,12 @@ def read(path: Path, *, taps: Sequence[int] | None = None) -> Drafter:
         lm_head="own" if "lm_head.weight" in tensors else "shared",
         embedding="own" if "embed_tokens.weight" in tensors else "shared",
     )
-    with error_prefix(f"{path}: "):
+    defaults = hf.HF_LAYER_DEFAULTS[_style(layer_config)]
+    where = "transformer_layer_config."
+    with (
+        error_prefix(f"{path}: "),
+        hf.naming_defaulted_dimensions(layer_config, defaults, where),
+    ):
         spec = DrafterSpec(
             algorithm=algorithm,
             target=target,

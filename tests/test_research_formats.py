@@ -455,6 +455,12 @@ def test_zlab_block_size_inside_dflash_config(zlab_dir):
             "sliding-window layers in a block are not supported",
         ),
         (lambda c: c.pop("block_size"), "missing key block_size"),
+        (
+            lambda c: c.pop("intermediate_size"),
+            r"mlp.gate_proj.weight'\]\.shape = \(64, 32\): expected \(22016, 32\) from the spec"
+            r" \(config.json does not state intermediate_size; the Hugging Face class default"
+            r" 22016 was taken\)",
+        ),
     ],
 )
 def test_zlab_refusals(zlab_dir, edit, message):

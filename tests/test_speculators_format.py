@@ -229,6 +229,12 @@ EAGLE = tiny_spec("eagle3", draft_vocab_size=40)
             lambda p: edit_tensors(p, lambda t: t.pop("fc.weight")),
             r"missing tensor\(s\) fc.weight",
         ),
+        (
+            EAGLE,
+            lambda p: edit_config(p, lambda c: c["transformer_layer_config"].pop("hidden_size")),
+            r"\.shape = .*\(config.json does not state transformer_layer_config.hidden_size; the"
+            r" Hugging Face class default 4096 was taken\)",
+        ),
     ],
 )
 def test_bad_checkpoints_are_refused_with_one_line(saved, spec, damage, message):
