@@ -126,6 +126,14 @@ def test_distill_answers_are_greedy_decoding_and_resume(work, tmp_path):
     assert (report.skipped, report.answered) == (33, 0)
     with pytest.raises(DrafterError, match="max_tokens"):
         distill(str(work / "target"), prompts, data, max_tokens=8, chat=False)
+    # the same target under another folder name is the same target; answers whose record is
+    # lost are not adopted
+    renamed = shutil.copytree(work / "target", tmp_path / "renamed-target")
+    report = distill(str(renamed), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False)
+    assert (report.skipped, report.answered) == (33, 0)
+    (data / "distill.json").unlink()
+    with pytest.raises(DrafterError, match=r"distill.json: missing, while .* holds answers"):
+        distill(str(renamed), prompts, data, max_tokens=MAX_TOKENS, batch=8, chat=False)
 
 
 def test_distill_answers_a_conversation_through_the_chat_template(work, tmp_path):
@@ -386,16 +394,17 @@ def test_resume_continues_with_the_same_losses(work, tmp_path, monkeypatch):
         T.train(options("cut", resume=True, steps=11))
     with pytest.raises(DrafterError, match="with algorithm = 'eagle3', this run asks for 'dspark'"):
         T.train(options("cut", resume=True, algorithm="dspark", head_size=None, ttt_steps=3))
-    # moved: the answers and the checkpoints copied elsewhere, the target named by another
-    # path, the default taps given explicitly: still the same run
+    # moved: the answers and the checkpoints copied elsewhere, the target in a folder of another
+    # name, named by a relative path, the default taps given explicitly: still the same run
     moved = tmp_path / "moved"
     shutil.copytree(work / "data", moved / "data")
     shutil.copytree(tmp_path / "cut.ckpt", moved / "cut.ckpt")
-    monkeypatch.chdir(work)
+    shutil.copytree(work / "target", moved / "renamed-target")
+    monkeypatch.chdir(moved)
     taps = default_taps(json.loads((work / "target" / "config.json").read_text())["num_hidden_layers"])
     resumed = T.train(
         dataclasses.replace(
-            options("cut", resume=True), data=moved / "data", out=moved / "cut", target="target", taps=taps
+            options("cut", resume=True), data=moved / "data", out=moved / "cut", target="renamed-target", taps=taps
         )
     )
     assert resumed.resumed_from == 4
@@ -405,6 +414,62 @@ def test_resume_continues_with_the_same_losses(work, tmp_path, monkeypatch):
     ]
     assert [e["step"] for e in log] == list(range(11))
     assert resumed.holdout_agreement == whole.holdout_agreement
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(work, tmp_path):
+    """What a full disk or a partial copy leaves: a resume ends with exit 2's one line, never an
+    internal error."""
+
+    def stop_at_6(phase, done, total):
+        if phase == "training" and done == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.train(short_run(work, tmp_path / "cut"), progress=stop_at_6)
+    good = tmp_path / "cut.ckpt"
+    step = good / "step-0000004"
+
+    def damaged(name, damage, message):
+        copy = tmp_path / name
+        shutil.copytree(good, copy / "cut.ckpt")
+        damage(copy / "cut.ckpt", copy / "cut.ckpt" / step.name)
+        with pytest.raises(DrafterError, match=message) as info:
+            T.train(short_run(work, copy / "cut", resume=True, finish=True))
+        assert "\n" not in str(info.value)
+
+    def edit_json(path, change):
+        record = json.loads(path.read_text())
+        change(record)
+        path.write_text(json.dumps(record))
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    damaged(
+        "half-model",
+        lambda ckpt, folder: truncate(folder / "model.safetensors"),
+        r"step-0000004/model.safetensors: not a readable checkpoint file \(",
+    )
+    damaged(
+        "no-optimizer",
+        lambda ckpt, folder: (folder / "optimizer.safetensors").unlink(),
+        r"step-0000004/optimizer.safetensors: not a readable checkpoint file",
+    )
+    damaged(
+        "latest-folder",
+        lambda ckpt, folder: edit_json(ckpt / "latest.json", lambda r: r.update(folder=5)),
+        r"latest.json: folder = 5: expected a step-N folder's name",
+    )
+    damaged(
+        "no-recipe",
+        lambda ckpt, folder: edit_json(folder / "state.json", lambda r: r.pop("recipe")),
+        r"state.json: recipe = None: expected dict",
+    )
+    damaged(
+        "tokens-null",
+        lambda ckpt, folder: edit_json(folder / "state.json", lambda r: r.update(train_tokens=None)),
+        r"state.json: train_tokens = None: expected int",
+    )
 
 
 def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys):

@@ -47,6 +47,16 @@ def identity(path: str | Path) -> str:
     return f"{resolved.name}@sha256:{content_sha256(resolved)}"
 
 
+def same_content(recorded: object, current: object) -> bool:
+    """Whether two records are of the same thing: `identity`s compare by their sha256 alone (one
+    model under another folder name is the same model), anything else as is."""
+    if isinstance(recorded, str) and isinstance(current, str):
+        theirs, ours = recorded.partition("@sha256:"), current.partition("@sha256:")
+        if theirs[1] and ours[1]:
+            return theirs[2] == ours[2]
+    return recorded == current
+
+
 def content_sha256(path: Path) -> str:
     """A file's sha256; for a folder, the sha256 of the `NAME SHA256` lines of the files
     directly inside it, in name order (subfolders, such as feature caches, are left out)."""

@@ -42,22 +42,55 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, state: dict) -
             shutil.rmtree(old, ignore_errors=True)
 
 
+# what a resume reads from state.json: (key, JSON types, required)
+STATE_FIELDS = (
+    ("step", (int,), True),
+    ("recipe", (dict,), True),
+    ("data_sha256", (str,), True),
+    ("initial", (dict,), True),
+    ("train_seconds", (int, float), False),
+    ("train_tokens", (int,), False),
+    ("last_eval", (dict, type(None)), False),
+    ("last_loss", (int, float, type(None)), False),
+)
+
+
 def checkpoint_state(directory: Path) -> dict:
-    latest = read_json_object(directory / "latest.json")
-    folder = directory / latest["folder"]
-    state = read_json_object(folder / "state.json")
+    latest_path = directory / "latest.json"
+    name = read_json_object(latest_path).get("folder")
+    if not isinstance(name, str) or not name.startswith("step-") or "/" in name:
+        raise DrafterError(f"{latest_path}: folder = {name!r}: expected a step-N folder's name")
+    folder = directory / name
+    state_path = folder / "state.json"
+    state = read_json_object(state_path)
     if state.get("version") != CHECKPOINT_VERSION:
         raise DrafterError(f"{folder}: checkpoint version {state.get('version')!r} unsupported")
+    for key, kinds, required in STATE_FIELDS:
+        if key not in state and not required:
+            continue
+        value = state.get(key)
+        if not isinstance(value, kinds) or isinstance(value, bool):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise DrafterError(f"{state_path}: {key} = {value!r}: expected {names}")
     return {**state, "folder": str(folder)}
 
 
 def load_checkpoint(state: dict, model, optimizer) -> None:
     """Weights and optimizer state of the checkpoint `checkpoint_state` described."""
     folder = Path(state["folder"])
-    params = mx.load(str(folder / "model.safetensors"))
-    model.update(tree_unflatten(list(params.items())))
-    optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
+    model.update(tree_unflatten(list(_arrays(folder / "model.safetensors").items())))
+    optimizer.state = tree_unflatten(list(_arrays(folder / "optimizer.safetensors").items()))
     mx.eval(model.parameters(), optimizer.state)
+
+
+def _arrays(path: Path) -> dict:
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DrafterError(
+            f"{path}: not a readable checkpoint file ({first}); start over with --force"
+        ) from None
 
 
 def append_log(path: Path, entry: dict) -> None:

@@ -50,7 +50,7 @@ from woodcock.errors import DrafterError
 from woodcock.formats import native
 from woodcock.ir import Drafter, VocabCounts, VocabMap
 from woodcock.jsonfile import read_json_object
-from woodcock.provenance import identity, portable_path, portable_paths
+from woodcock.provenance import identity, portable_path, portable_paths, same_content
 from woodcock.staging import refuse_replacing_inputs
 from woodcock.target_checkpoint import target_from_config
 from woodcock.train.block_trainer import BlockRun, anchor_candidates
@@ -315,8 +315,9 @@ def _start_or_resume(
         )
     # an EAGLE-3 run's recipe names no algorithm (block runs name theirs)
     theirs, ours = ({"algorithm": "eagle3", **r} for r in (loaded["recipe"], state["recipe"]))
-    if theirs != ours:
-        k = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))[0]
+    differing = [k for k in set(theirs) | set(ours) if not same_content(theirs.get(k), ours.get(k))]
+    if differing:
+        k = sorted(differing)[0]
         raise DrafterError(
             f"--resume: the checkpoint in {ckpt} was made with {k} ="
             f" {theirs.get(k)!r}, this run asks for {ours.get(k)!r}"
