@@ -34,7 +34,7 @@ import mlx.core as mx
 from woodcock.default_target import resolve_target
 from woodcock.errors import DrafterError
 from woodcock.jsonfile import is_int_list, jsonl_records, read_json_object, write_json
-from woodcock.provenance import identity, portable_path
+from woodcock.provenance import identity, portable_path, same_content
 from woodcock.runtime.generate import check_system_prompt, encode_messages, encode_prompt
 from woodcock.runtime.greedy_batch import greedy_answers
 from woodcock.runtime.target import MlxTarget
@@ -275,7 +275,9 @@ def distill(
         if meta_path.exists():
             recorded = read_json_object(meta_path)
             differing = [
-                k for k in ("target", "max_tokens", "chat", "system") if recorded.get(k) != meta[k]
+                k
+                for k in ("target", "max_tokens", "chat", "system")
+                if not same_content(recorded.get(k), meta[k])
             ]
             if differing:
                 k = differing[0]
@@ -291,6 +293,11 @@ def distill(
                     recorded.get("generators", recorded.get("generator")), GENERATOR
                 ),
             }
+        elif (out / ANSWERS).exists() and (out / ANSWERS).stat().st_size:
+            raise DrafterError(
+                f"{meta_path}: missing, while {out / ANSWERS} holds answers: which target and"
+                " settings made them is unknown; restore it, or use another --out directory"
+            )
         else:
             meta |= {"prompts_files": [prompts_record], "generators": [GENERATOR]}
         done = {row["id"] for row in read_answers(out, repair=True)}
