@@ -470,6 +470,10 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(work, tmp_path):
         lambda ckpt, folder: edit_json(folder / "state.json", lambda r: r.update(train_tokens=None)),
         r"state.json: train_tokens = None: expected int",
     )
+    # the half-written checkpoint a kill left goes when the run resumes
+    (good / ".step-0000006.partial").mkdir()
+    T.train(short_run(work, tmp_path / "cut", resume=True, finish=True))
+    assert sorted(p.name for p in good.iterdir()) == ["latest.json", "log.jsonl", step.name]
 
 
 def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys):

@@ -93,6 +93,12 @@ def _arrays(path: Path) -> dict:
         ) from None
 
 
+def remove_partial_checkpoints(directory: Path) -> None:
+    """The half-written checkpoints of a killed run (the run that resumes is their only writer)."""
+    for partial in directory.glob(".step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def append_log(path: Path, entry: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(entry) + "\n")

@@ -59,6 +59,7 @@ from woodcock.train.checkpoints import (
     checkpoint_state,
     drafter_weights,
     load_checkpoint,
+    remove_partial_checkpoints,
     save_checkpoint,
     trim_log,
 )
@@ -331,6 +332,7 @@ def _start_or_resume(
     state["last_loss"] = loaded.get("last_loss")
     if writes:
         trim_log(log_path, start_step)
+        remove_partial_checkpoints(ckpt)
     return state, start_step
 
 
