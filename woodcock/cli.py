@@ -551,15 +551,15 @@ def serve(
         ),
     ] = True,
     prefix_cache_gb: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--prefix-cache-gb",
             min=0,
             help="Most GB of KV rows (target and drafter) kept for recent conversations; a"
             " request reuses the one sharing its longest prefix, the least recently used go"
-            " first. 0: no prefix cache, as --no-prefix-cache.",
+            " first (default 1). 0: no prefix cache, as --no-prefix-cache.",
         ),
-    ] = 1.0,
+    ] = None,
     request_timeout: Annotated[
         float | None,
         typer.Option(

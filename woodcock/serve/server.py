@@ -92,7 +92,7 @@ def serve(
     queue_size: int = DEFAULT_QUEUE_SIZE,
     max_batch: int = DEFAULT_MAX_BATCH,
     prefix_cache: bool = True,
-    prefix_cache_gb: float = DEFAULT_PREFIX_CACHE_GB,
+    prefix_cache_gb: float | None = None,
     request_timeout: float | None = None,
     lookup: bool = True,
     dtype: str | None = None,
@@ -104,8 +104,9 @@ def serve(
     policy, the address) raise DrafterError before the server listens. plain: decode with
     mlx-lm alone (no drafter), the baseline for measuring one; with max_batch > 1 the batched
     loop decodes without drafts instead. max_batch: requests decoding together. prefix_cache_gb:
-    the prefix pool's limit (0: no prefix cache, as prefix_cache=False). request_timeout:
-    seconds a request may take from its arrival (None: no limit)."""
+    the prefix pool's limit (None: DEFAULT_PREFIX_CACHE_GB; 0: no prefix cache, as
+    prefix_cache=False). request_timeout: seconds a request may take from its arrival (None: no
+    limit)."""
     import uvicorn
 
     from woodcock.serve.app import create_app  # imports starlette
@@ -116,13 +117,15 @@ def serve(
         raise DrafterError(f"--max-batch {max_batch}: expected at least 1")
     if max_tokens < 1:
         raise DrafterError(f"--max-tokens {max_tokens}: expected at least 1")
-    if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
-        raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected a number at least 0")
-    if not prefix_cache and prefix_cache_gb != DEFAULT_PREFIX_CACHE_GB:
+    if not prefix_cache and prefix_cache_gb is not None:
         raise DrafterError(
             f"--prefix-cache-gb {prefix_cache_gb}: sizes a prefix cache that --no-prefix-cache"
             " turns off; give one of them"
         )
+    if prefix_cache_gb is None:
+        prefix_cache_gb = DEFAULT_PREFIX_CACHE_GB
+    if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
+        raise DrafterError(f"--prefix-cache-gb {prefix_cache_gb}: expected a number at least 0")
     if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
         raise DrafterError(f"--request-timeout {request_timeout}: expected a number of seconds > 0")
     prefix_cache = prefix_cache and prefix_cache_gb > 0
