@@ -107,20 +107,107 @@ def test_one_token_answers_and_a_first_token_that_stops(case):
 def test_prefill_groups_fit_the_padded_token_budget(monkeypatch):
     sizes = PrefillSizes(chunk=10, long_chunk=10, scores=0, group_tokens=30)
     monkeypatch.setattr(greedy_batch, "PADDING", 99)
-    prompts = [[1] * n for n in (3, 4, 25, 2, 9, 1)]
-    waiting = list(range(len(prompts)))[::-1]
-    groups = []
-    while waiting:
-        groups.append(greedy_batch._take_group(prompts, waiting, 4, sizes))
+
+    def groups(new_tokens, parent=None, room=4):
+        parent = parent or [None] * len(new_tokens)
+        waiting, prefilled, taken = list(range(len(new_tokens)))[::-1], {}, []
+        while waiting:
+            taken.append(
+                greedy_batch._take_group(new_tokens, parent, prefilled, waiting, room, sizes)
+            )
+            prefilled |= dict.fromkeys(taken[-1])
+        return taken
+
     # widths are capped at a chunk: (3, 4) then 25 -> 10 wide, 3 x 10 fits, a 4th would not
-    assert groups == [[0, 1, 2], [3, 4, 5]]
-    assert greedy_batch._take_group([[1] * 99], [0], 4, sizes) == [0]  # one always goes
+    assert groups([3, 4, 25, 2, 9, 1]) == [[0, 1, 2], [3, 4, 5]]
+    assert groups([99]) == [[0]]  # one always goes
+    # a prompt whose parent's cache is not made yet (in the group, or waiting itself) is passed
+    # over, and a later one joins instead
+    assert groups([3, 2, 2, 2], [None, 0, 1, None]) == [[0, 3], [1], [2]]
+    assert groups([1] * 6, [None, 0, 0, 0, 0, None], room=3) == [[0], [1, 2, 3], [4, 5]]
     # padding: 4 + 5 + 9 tokens padded to 3 x 9 = 27 > 1.25 x 18, so 9 waits
     monkeypatch.setattr(greedy_batch, "PADDING", 1.25)
-    prompts = [[1] * n for n in (4, 5, 9, 9)]
-    waiting = [3, 2, 1, 0]
-    assert greedy_batch._take_group(prompts, waiting, 4, sizes) == [0, 1]
-    assert greedy_batch._take_group(prompts, waiting, 4, sizes) == [2, 3]
+    assert groups([4, 5, 9, 9]) == [[0, 1], [2, 3]]
+
+
+def test_each_prompt_starts_from_the_longest_head_that_begins_its_own():
+    heads = [(1, 2, 3), (1, 2), (1, 2, 3, 4), (1, 2, 4), (), (1, 2, 3), (5,), (1,)]
+    parent, children = greedy_batch._prefix_forest(heads)
+    # an empty head starts nothing; of two equal heads, one starts the other
+    assert parent == [1, 7, 5, 1, None, 0, None, None]
+    assert children == [[5], [0, 3], [], [], [], [2], [], [1]]
+    prompts = [[*h, 9] for h in heads]
+    order = greedy_batch._joining_order(prompts, parent, children)
+    # shortest first, and each prompt's descendants right after it, depth first
+    assert order == [4, 6, 7, 1, 0, 5, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    """Prompts that begin with each other's heads, as the turns of one conversation do: a chain,
+    siblings, a duplicate, one whose head is another's whole head plus nothing, and strangers."""
+    rng = random.Random(8)
+    model = tiny_target("llama", scale=0.5)
+
+    def tokens(n):
+        return [rng.randrange(96) for _ in range(n)]
+
+    first = tokens(6)
+    second = first[:-1] + tokens(9)
+    third = second[:-1] + tokens(13)
+    prompts = [
+        third,
+        tokens(4),
+        first,
+        second,
+        second[:-1] + tokens(3),  # a sibling of third
+        list(second),  # the same tokens as second under another id
+        first[:-1] + [first[-1] ^ 1],  # the same head as first, another last token
+        tokens(1),
+        third[:-1] + tokens(30),
+    ]
+    expected = [plain(model, p, ()) for p in prompts]
+    return model, prompts, expected
+
+
+@pytest.mark.parametrize(
+    "batch, sizes",
+    [
+        (1, CPU_SIZES),
+        (2, PrefillSizes(chunk=4, long_chunk=2, scores=60, group_tokens=12)),
+        (4, GPU_SIZES),
+        (9, PrefillSizes(chunk=5, long_chunk=5, scores=0, group_tokens=40)),
+    ],
+)
+def test_prompts_sharing_a_head_prefill_it_once_and_answer_as_alone(
+    conversations, monkeypatch, batch, sizes
+):
+    model, prompts, expected = conversations
+    prefilled = []
+    forward = greedy_batch.SequenceBatch.forward
+
+    def counting(self, tokens):
+        prefilled.append(sum(t.shape[0] for t in tokens))
+        return forward(self, tokens)
+
+    monkeypatch.setattr(greedy_batch.SequenceBatch, "forward", counting)
+    monkeypatch.setattr(greedy_batch, "PADDING", 99)
+    answers = greedy_answers(
+        MlxTarget(model, ()), prompts, batch=batch, max_tokens=MAX_TOKENS, stop_ids=(), sizes=sizes
+    )
+    assert {a.index: a.tokens for a in answers} == dict(enumerate(expected))
+    heads = [tuple(p[:-1]) for p in prompts]
+
+    def starts(j, i):  # head j begins head i and is shorter, or the same and given earlier
+        shorter = len(heads[j]) < len(heads[i]) or (heads[j] == heads[i] and j < i)
+        return shorter and heads[i][: len(heads[j])] == heads[j]
+
+    own = [
+        len(h) - max((len(heads[j]) for j in range(len(heads)) if starts(j, i)), default=0)
+        for i, h in enumerate(heads)
+    ]
+    assert own[5] == 0 and own[6] == 0  # second's twin, and first's head again, compute nothing
+    assert sum(prefilled) == sum(own) < sum(map(len, heads)) / 2
 
 
 def test_a_model_without_plain_kv_caches_is_refused():

@@ -11,12 +11,13 @@ Output directory:
                     re-run must agree with it, so one directory never mixes two recipes.
 
 Generation is woodcock.runtime.greedy_batch: up to `batch` answers decode together, a finished
-one makes room for the next prompts, which are prefilled together. It gives token for token
-what mlx-lm's `generate_step` gives one prompt at a time (checked in the tests on the tiny
-target; batched arithmetic may still break exact ties differently on a real model). It replaced
-mlx-lm's `BatchGenerator`, which computes and hands back every row's log-probabilities over the
-whole vocabulary each step: at 256 rows on the CPU that alone took longer than the step's
-forward (`benchmarks/RESULTS.md`).
+one makes room for the next prompts, which are prefilled together (a later turn of a
+conversation from the cache of an earlier turn's prompt, where both are asked). It gives token
+for token what mlx-lm's `generate_step` gives one prompt at a time (checked in the tests on the
+tiny target; batched arithmetic may still break exact ties differently on a real model). It
+replaced mlx-lm's `BatchGenerator`, which computes and hands back every row's log-probabilities
+over the whole vocabulary each step: at 256 rows on the CPU that alone took longer than the
+step's forward (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
