@@ -470,10 +470,30 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(work, tmp_path):
         lambda ckpt, folder: edit_json(folder / "state.json", lambda r: r.update(train_tokens=None)),
         r"state.json: train_tokens = None: expected int",
     )
-    # the half-written checkpoint a kill left goes when the run resumes
+
+    def damage_log_line(ckpt, number, text):
+        lines = (ckpt / "log.jsonl").read_bytes().split(b"\n")
+        lines[number - 1] = text
+        (ckpt / "log.jsonl").write_bytes(b"\n".join(lines))
+
+    damaged(
+        "log-garbled",
+        lambda ckpt, folder: damage_log_line(ckpt, 3, b'{"step": 2, "loss'),
+        r"cut.ckpt/log.jsonl:3: not a training log entry; expected a JSON object with an integer",
+    )
+    damaged(
+        "log-binary",
+        lambda ckpt, folder: damage_log_line(ckpt, 2, b"\xff\xfe"),
+        r"cut.ckpt/log.jsonl:2: not a training log entry",
+    )
+    # the half-written checkpoint and the cut log line a kill left go when the run resumes
     (good / ".step-0000006.partial").mkdir()
+    with open(good / "log.jsonl", "ab") as log:
+        log.write(b'{"step": 7, "lo')
     T.train(short_run(work, tmp_path / "cut", resume=True, finish=True))
     assert sorted(p.name for p in good.iterdir()) == ["latest.json", "log.jsonl", step.name]
+    logged = [json.loads(line)["step"] for line in (good / "log.jsonl").read_text().splitlines()]
+    assert logged == list(range(5))
 
 
 def test_finish_writes_the_drafter_of_the_last_checkpoint(work, tmp_path, capsys):

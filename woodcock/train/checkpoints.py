@@ -105,20 +105,32 @@ def append_log(path: Path, entry: dict) -> None:
 
 
 def trim_log(path: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint a run resumes from."""
+    """Drop log lines written after the checkpoint a run resumes from, and a last line a killed
+    run left cut short. Any other line that is not a log entry is refused, not dropped."""
     if not path.exists():
         return
+    *lines, last = path.read_bytes().split(b"\n")  # last: b"" unless a write was cut short
     kept = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
+    for number, line in enumerate([*lines, last], 1):
+        if not line.strip():
+            continue
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if entry.get("step", 0) <= step:
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            entry = None
+        logged = entry.get("step") if isinstance(entry, dict) else None
+        if not isinstance(logged, int) or isinstance(logged, bool):
+            if number > len(lines):
+                break
+            raise DrafterError(
+                f"{path}:{number}: not a training log entry; expected a JSON object with an"
+                " integer 'step' (repair or remove that line to resume)"
+            )
+        if logged <= step:
             kept.append(line)
     # Through a temporary file: a run killed while rewriting must not lose the log.
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    partial.write_bytes(b"".join(line + b"\n" for line in kept))
     os.replace(partial, path)
 
 
