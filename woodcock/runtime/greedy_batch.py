@@ -4,18 +4,17 @@ Up to `batch` answers decode in one woodcock.runtime.batch SequenceBatch (every 
 position 0 of its own row); a finished answer leaves at once and the next prompts join,
 shortest first, in groups prefilled together in a batch of their own (padded to the group's
 longest, in the backend's chunks, woodcock.runtime.prefill; only the caches are computed, not
-the prompt positions' logits) and then copied into free rows. A prompt that begins with another
-prompt's head (all but its last token: a later turn of the same conversation) joins in the
-first group after that head's cache is made and is prefilled from a copy of it, so only its own
-tokens past it are computed; a head's cache is kept only until the prompts beginning with it
-have joined. A step
-feeds every row its newest token and takes the argmax of the logits; nothing per row is
-computed but that argmax and whether another token lies within rounding of it (no
-log-probabilities: their exp over the vocabulary would cost about a tenth of a step on the CPU),
-and the host reads one step's tokens while the device runs the next (a finished row costs one
-wasted position). Where rounding may tie, the log-probabilities decide as in mlx-lm
-(woodcock.runtime.sampling.greedy_tokens); a row that was fed another token takes that position
-back and is fed the right one."""
+the prompt positions' logits) and then copied into free rows. Where the sizes say so (the
+CPU's), a prompt that begins with another prompt's head (all but its last token: a later turn
+of the same conversation) joins in the first group after that head's cache is made and is
+prefilled from a copy of it, so only its own tokens past it are computed; a head's cache is kept
+only until the prompts beginning with it have joined. A step feeds every row its newest token
+and takes the argmax of the logits; nothing per row is computed but that argmax and whether
+another token lies within rounding of it (no log-probabilities: their exp over the vocabulary
+would cost about a tenth of a step on the CPU), and the host reads one step's tokens while the
+device runs the next (a finished row costs one wasted position). Where rounding may tie, the
+log-probabilities decide as in mlx-lm (woodcock.runtime.sampling.greedy_tokens); a row that was
+fed another token takes that position back and is fed the right one."""
 
 from __future__ import annotations
 
@@ -61,7 +60,9 @@ def greedy_answers(
     sizes = sizes or prefill_sizes()
     stop = set(stop_ids)
     heads = [tuple(p[:-1]) for p in prompts]  # what a prefill computes: all but the last token
-    parent, children = _prefix_forest(heads)
+    parent, children = (
+        _prefix_forest(heads) if sizes.shared_heads else ([None] * len(heads), [[] for _ in heads])
+    )
     new_tokens = [
         len(p) - (0 if parent[i] is None else len(heads[parent[i]])) for i, p in enumerate(prompts)
     ]

@@ -22,6 +22,9 @@ class PrefillSizes:
     long_chunk: int  # its tokens a forward once they would not
     scores: int  # query x key pairs a head a forward may score with `chunk` (0: no limit)
     group_tokens: int  # padded tokens a forward when prompts are prefilled together
+    # a prompt beginning with another's head starts from that head's cache (woodcock.runtime.
+    # greedy_batch): fewer tokens computed, but such a prompt waits for the head's group
+    shared_heads: bool = True
 
     def spans(self, length: int, rows: int = 1, cached: int = 0) -> list[tuple[int, int]]:
         """[(start, end)] of the forwards that prefill `length` new tokens of each of `rows`
@@ -36,7 +39,11 @@ class PrefillSizes:
         return spans
 
 
-GPU_SIZES = PrefillSizes(chunk=512, long_chunk=512, scores=0, group_tokens=16384)
+# GPU: prompts sharing heads would cut the groups of many prompts that make its prefill fast
+# (of the pending training prompts, about 4 times as many groups); not measured there yet
+GPU_SIZES = PrefillSizes(
+    chunk=512, long_chunk=512, scores=0, group_tokens=16384, shared_heads=False
+)
 # measured on 2 cores with OpenBLAS: 256 a forward is as fast as 512 while the keys are few,
 # 128 once they pass about 512; groups gain nothing over one prompt at a time beyond 256 tokens
 CPU_SIZES = PrefillSizes(chunk=256, long_chunk=128, scores=131072, group_tokens=256)
