@@ -59,12 +59,13 @@ def greedy_answers(
     prefilled (default: the backend's)."""
     sizes = sizes or prefill_sizes()
     stop = set(stop_ids)
-    heads = [tuple(p[:-1]) for p in prompts]  # what a prefill computes: all but the last token
-    parent, children = (
-        _prefix_forest(heads) if sizes.shared_heads else ([None] * len(heads), [[] for _ in heads])
-    )
+    if sizes.shared_heads:  # a head: what a prefill computes, all but the last token
+        parent, children = _prefix_forest([tuple(p[:-1]) for p in prompts])
+    else:
+        parent, children = [None] * len(prompts), [[] for _ in prompts]
     new_tokens = [
-        len(p) - (0 if parent[i] is None else len(heads[parent[i]])) for i, p in enumerate(prompts)
+        len(p) - (0 if parent[i] is None else len(prompts[parent[i]]) - 1)
+        for i, p in enumerate(prompts)
     ]
     waiting = _joining_order(prompts, parent, children)[::-1]  # popped from the end
     # a prompt's head caches, kept while prompts beginning with it wait

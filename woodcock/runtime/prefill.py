@@ -40,7 +40,7 @@ class PrefillSizes:
 
 
 # GPU: prompts sharing heads would cut the groups of many prompts that make its prefill fast
-# (of the pending training prompts, about 4 times as many groups); not measured there yet
+# (4-10 times as many groups for the training prompts, simulated); not measured there yet
 GPU_SIZES = PrefillSizes(
     chunk=512, long_chunk=512, scores=0, group_tokens=16384, shared_heads=False
 )

@@ -11,8 +11,8 @@ Output directory:
                     re-run must agree with it, so one directory never mixes two recipes.
 
 Generation is woodcock.runtime.greedy_batch: up to `batch` answers decode together, a finished
-one makes room for the next prompts, which are prefilled together (a later turn of a
-conversation from the cache of an earlier turn's prompt, where both are asked). It gives token
+one makes room for the next prompts, which are prefilled together (on the CPU, a later turn of
+a conversation from the cache of an earlier turn's prompt, where both are asked). It gives token
 for token what mlx-lm's `generate_step` gives one prompt at a time (checked in the tests on the
 tiny target; batched arithmetic may still break exact ties differently on a real model). It
 replaced mlx-lm's `BatchGenerator`, which computes and hands back every row's log-probabilities
