@@ -381,6 +381,85 @@ def test_a_full_queue_answers_503_with_retry_after_and_recovers(plain_server, se
     assert plain_server.metric("queue_rejections") == len(rejected)
 
 
+
+def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server):
+    errors = server.metric("request_errors")
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            sock.sendall(head.encode() + b'{"prompt":')
+        time.sleep(0.3)
+    status, _, _ = request(server, "GET", "/health")
+    assert status == 200 and server.metric("request_errors") == errors
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_the_slot_is_free_when_the_answer_arrives(server):
+    """A client that sends its next request as soon as an answer arrives finds the model idle."""
+    for i in range(12):
+        request(server, "POST", "/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 4})
+        status, _, body = request(server, "GET", "/health")
+        assert json.loads(body)["busy"] is False, i
+
+
+def test_a_stopped_server_ends_waiting_and_running_requests_with_a_503(demo, tmp_path):
+    """SIGTERM with requests running and waiting: the waiting ones are answered 503 at once, the
+    running ones finish or end with it before uvicorn would cut them off; streams end with an
+    error event and their closing line; no traceback, and the process exits."""
+    stopping = Server(demo, tmp_path / "stopping.log", max_batch=2, queue_size=8)
+    results = [None] * 8
+    answered_at = [None] * 8
+
+    def client(i):
+        body = {"prompt": PROMPTS[i], "max_tokens": CONTEXT - 16, "stream": i % 2 == 1}
+        path = "/v1/messages" if i == 7 else "/v1/completions"
+        if i == 7:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": CONTEXT - 64}
+        results[i] = request(stopping, "POST", path, body)
+        answered_at[i] = time.monotonic()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while json.loads(request(stopping, "GET", "/health")[2])["waiting"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    stopped_at = time.monotonic()
+    stopping.process.terminate()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    stopping.process.wait(TIMEOUT)
+    refused = 0
+    for i, (status, _, body) in enumerate(results):
+        if i == 7:  # Anthropic's shape: a 503 is its 529 overloaded_error
+            assert status in (200, 529), (status, body)
+            if status == 529:
+                refused += 1
+                error = json.loads(body)["error"]
+                assert error["type"] == "overloaded_error" and "shutting down" in error["message"]
+        elif i % 2 == 1:  # streamed: its 200 was sent before the signal
+            assert status == 200
+            events = [event for event in body.decode().split("\n\n") if event]
+            assert events[-1] == "data: [DONE]"
+            last = json.loads(events[-2].removeprefix("data: "))
+            if "error" in last:
+                refused += 1
+                assert last["error"]["code"] == "shutting_down"
+            else:
+                assert last["choices"][0]["finish_reason"] in ("length", "stop")
+        elif status == 503:
+            refused += 1
+            assert json.loads(body)["error"]["code"] == "shutting_down"
+        else:
+            assert status == 200
+            assert json.loads(body)["choices"][0]["finish_reason"] in ("length", "stop")
+        assert answered_at[i] - stopped_at < 4.9  # before uvicorn's grace of 5 s ran out
+    assert refused >= 3  # at least those waiting when the signal came
+    log = stopping.log.read_text()
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
+
+
 # -- logprobs, logit bias and penalties ---------------------------------------------------------
 
 PENALTIES = {  # request fields, as mlx-lm's make_logits_processors takes them

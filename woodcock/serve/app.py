@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,7 +29,7 @@ from woodcock.serve.request import (
     parse_json_body,
     parse_request,
 )
-from woodcock.serve.worker import GenerationWorker, Job
+from woodcock.serve.worker import GenerationWorker, Job, shutting_down_error
 
 ENDPOINTS = ("chat.completions", "completions")
 
@@ -159,6 +160,8 @@ class _Handlers:
             count = await loop.run_in_executor(
                 self.encoder, anthropic.count_input_tokens, body, self.facts
             )
+        except ClientDisconnect:  # gone before its body was whole: nobody to answer
+            return Response(status_code=204)
         except RequestError as e:
             return self._error_response(e, self.anthropic)
         return JSONResponse({"input_tokens": count})
@@ -240,10 +243,14 @@ class _Handlers:
         try:
             body = parse_json_body(await request.body())
             parsed = await loop.run_in_executor(self.encoder, api.parse, body, self.facts)
+        except ClientDisconnect:  # gone before its body was whole: nobody to answer
+            return Response(status_code=204)
         except RequestError as e:
             return self._error_response(e, api)
         job = Job(parsed, loop)
         if not self.worker.submit(job):
+            if self.worker.shutting_down:
+                return self._error_response(shutting_down_error(), api)
             self.metrics.add("queue_rejections")
             return self._error_response(self._queue_full(), api)
         answer = api.answer(parsed)
@@ -300,6 +307,8 @@ class _Handlers:
             return self._error_response(self._timed_out(), api)
         kind, value = getter.result()
         if kind == "error":
+            if isinstance(value, RequestError):  # the worker's refusal (it is shutting down)
+                return self._error_response(value, api)
             body, status = api.error_body(_failure(value))
             return JSONResponse(body, status_code=status)
         return JSONResponse(answer.complete(value))
@@ -324,6 +333,10 @@ class _Handlers:
                     yield answer.text(value)
                 elif kind == "done":
                     yield answer.done(value)
+                    break
+                elif isinstance(value, RequestError):  # the worker's refusal (it is shutting down)
+                    self.metrics.add("request_errors", status=str(value.status))
+                    yield answer.failure(value)
                     break
                 else:
                     yield answer.failure(_failure(value))

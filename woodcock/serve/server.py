@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import socket
 import sys
+import threading
 
 from woodcock.default_target import DEFAULT_TARGET, resolve_pair, resolve_target
 from woodcock.errors import DrafterError
@@ -175,5 +176,25 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    _run(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5), worker, sock)
+
+
+RUNNING_GRACE_SECONDS = 4  # of uvicorn's 5 for open requests, before it cancels them
+
+
+def _run(config, worker: GenerationWorker, sock: socket.socket) -> None:
+    """uvicorn's server, which also tells the worker at the first exit signal (SIGTERM, Ctrl-C):
+    the waiting requests end at once with a 503 and the running ones before uvicorn's grace
+    runs out, each in its API's error shape, not cut off mid-answer by uvicorn's cancellation."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # a signal handler may interrupt the event loop's thread while it holds the worker's
+            # lock: the worker is told from a thread of its own
+            threading.Thread(
+                target=worker.shut_down, args=(RUNNING_GRACE_SECONDS,), daemon=True
+            ).start()
+            super().handle_exit(sig, frame)
+
+    Server(config).run(sockets=[sock])

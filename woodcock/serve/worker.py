@@ -6,7 +6,8 @@ decoding together (woodcock.serve.batching), a waiting request joining as soon a
 At most `queue_size` requests wait behind the running ones; more are answered 503 with a
 Retry-After. A streaming client that goes away cancels its request, and so does a request's
 timeout: the speculative loop checks between rounds (and prefill chunks), so its slot is free
-again within one round.
+again within one round. When the server is told to stop, the waiting requests end at once with
+a 503 and the running ones get a few seconds to finish before they end with it too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from woodcock.errors import DrafterError
 from woodcock.serve.batching import Batcher
 from woodcock.serve.engine import Engine
 from woodcock.serve.metrics import Metrics
-from woodcock.serve.request import GenerationRequest
+from woodcock.serve.request import GenerationRequest, RequestError
 
 DEFAULT_QUEUE_SIZE = 8
 DEFAULT_MAX_BATCH = 1  # requests generating at once
@@ -38,6 +39,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: str = "queued"  # queued, running, cancelled (before it ran) or done
     arrived: float = field(default_factory=time.monotonic)
+    cut_by_shutdown: bool = False  # ended by the server's shutdown: answered 503, not "done"
 
     def emit(self, kind: str, value) -> None:
         """From the worker thread: ("start", the prompt tokens whose cached rows it reuses;
@@ -74,6 +76,7 @@ class GenerationWorker:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._stopping = False
+        self.shutting_down = False
         self._thread = threading.Thread(target=self._main, name="woodcock-generation", daemon=True)
 
     def start(self) -> Engine:
@@ -87,8 +90,11 @@ class GenerationWorker:
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when `queue_size` jobs are waiting already beyond those the free
-        slots will take (they are queued too until the worker reaches them)."""
+        slots will take (they are queued too until the worker reaches them), or the server is
+        shutting down."""
         with self._lock:
+            if self.shutting_down:
+                return False
             free_slots = max(0, self.max_batch - len(self.running))
             if self.waiting >= self.queue_size + free_slots:
                 return False
@@ -112,6 +118,39 @@ class GenerationWorker:
         """Seconds until a slot is likely free: the running requests and those waiting."""
         ahead = (self.waiting + len(self.running)) / self.max_batch
         return max(1, math.ceil(self.service_seconds * ahead))
+
+    def shut_down(self, grace: float) -> None:
+        """The server is stopping: no job is taken any more, the waiting ones end at once with
+        `shutting_down_error`, the running ones get `grace` seconds to finish and then end with
+        it too. From any thread but the event loop's (it takes the lock)."""
+        with self._lock:
+            if self.shutting_down:
+                return
+            self.shutting_down = True
+            waiting, stop_sent = [], False
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    job = self._jobs.get_nowait()
+                    if job is None:
+                        stop_sent = True
+                    elif job.state == "queued":
+                        job.state, self.waiting = "cancelled", self.waiting - 1
+                        waiting.append(job)
+            if stop_sent:
+                self._jobs.put(None)
+        for job in waiting:
+            job.emit("error", shutting_down_error())
+        timer = threading.Timer(grace, self._cut_running)
+        timer.daemon = True
+        timer.start()
+
+    def _cut_running(self) -> None:
+        with self._lock:
+            running = list(self.running)
+            for job in running:
+                job.cut_by_shutdown = True
+        for job in running:
+            job.cancelled.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel the running jobs, drop the waiting ones and end the thread."""
@@ -150,6 +189,10 @@ class GenerationWorker:
                 return None
             with self._lock:
                 if job.state == "cancelled" or self._stopping:
+                    continue
+                if self.shutting_down:  # taken from the queue as shut_down emptied it
+                    job.state, self.waiting = "cancelled", self.waiting - 1
+                    job.emit("error", shutting_down_error())
                     continue
                 job.state = "running"
                 self.running.append(job)
@@ -218,13 +261,18 @@ class GenerationWorker:
             hit = result.stats.cached_tokens > 0
             self.metrics.add("prefix_cache_hits" if hit else "prefix_cache_misses")
         self.metrics.add("prefix_cache_evictions", self._evictions() - evictions)
-        job.emit("done", result)
+        # out of `running` before the client hears: a request sent right after its answer
+        # arrives finds the slot free (/metrics, /health and submit() read `running`)
         self._finished(job, started)
+        if job.cut_by_shutdown:
+            job.emit("error", shutting_down_error())
+        else:
+            job.emit("done", result)
 
     def _failed(self, job: Job, error: Exception, started: float) -> None:
         self.metrics.add("request_errors", status="500")
-        job.emit("error", error)
         self._finished(job, started)
+        job.emit("error", error)
 
     def _finished(self, job: Job, started: float) -> None:
         seconds = time.perf_counter() - started
@@ -234,3 +282,12 @@ class GenerationWorker:
         with self._lock:
             job.state = "done"
             self.running.remove(job)
+
+
+def shutting_down_error() -> RequestError:
+    return RequestError(
+        "the server is shutting down; retry on another instance or once it has restarted",
+        code="shutting_down",
+        status=503,
+        kind="server_error",
+    )
