@@ -100,4 +100,8 @@ def load_drafter(
 def save_drafter(
     drafter: Drafter, dest: str | Path, format: str = "woodcock", *, force: bool = False
 ) -> None:
+    if not isinstance(drafter, Drafter):
+        raise DrafterError(
+            f"drafter = {drafter!r:.80}: expected a Drafter (load_drafter reads one from a path)"
+        )
     format_named(format).write(drafter, Path(dest), force=force)

@@ -119,7 +119,7 @@ def staged_directory(dest: Path, *, force: bool = False) -> Iterator[Path]:
     """
     dest = Path(dest)
     _refuse_existing(dest, force)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(dest)
     with _parent_locked(dest.parent):
         removed = _remove_leftovers(dest)
         try:
@@ -155,7 +155,7 @@ def staged_file(dest: Path) -> Iterator[Path]:
     reports through `reporting_removed_leftovers`), like those of `staged_directory`.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(dest)
     with _parent_locked(dest.parent):
         removed = _remove_leftovers(dest)
         try:
@@ -201,6 +201,15 @@ def refuse_replacing_inputs(
         if dest == path or dest in path.parents:
             where = f"is the {name}" if dest == path else f"holds the {name} {path}"
             raise DrafterError(f"{dest}: the {role} {where}; write the {role} elsewhere")
+
+
+def _make_parent(dest: Path) -> None:
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where a folder must be, no permission, a full disk
+        raise DrafterError(
+            f"{dest}: its folder {dest.parent} cannot be made ({e.strerror or e})"
+        ) from None
 
 
 def _refuse_existing(dest: Path, force: bool) -> None:

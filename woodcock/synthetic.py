@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from woodcock.errors import DrafterError
 from woodcock.ir import (
     DecoderLayer,
     DFlash,
@@ -43,6 +44,10 @@ def random_vocab_map(spec: DrafterSpec, seed: int = 0) -> VocabMap:
 
 
 def random_drafter(spec: DrafterSpec, dtype: str = "F32", seed: int = 0) -> Drafter:
+    if not isinstance(spec, DrafterSpec):
+        raise DrafterError(f"spec = {spec!r:.80}: expected a DrafterSpec (tiny_spec() makes one)")
+    if dtype not in DTYPES:
+        raise DrafterError(f"dtype = {dtype!r}: expected one of {', '.join(DTYPES)}")
     return Drafter(spec, random_vocab_map(spec, seed), random_weights(spec, dtype, seed))
 
 

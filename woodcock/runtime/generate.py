@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from woodcock.errors import DrafterError
 from woodcock.runtime.decode import Stats, speculative_generate_step
@@ -19,6 +20,8 @@ def encode_prompt(
     tokenizer, prompt: str, *, chat: bool = True, system: str | None = None
 ) -> list[int]:
     """As mlx_lm.generate does: the chat template when asked for and present, then encode."""
+    if not isinstance(prompt, str):
+        raise DrafterError(f"prompt = {prompt!r:.60}: expected a string")
     check_system_prompt(system, chat=chat, chat_template=tokenizer.has_chat_template)
     if chat and tokenizer.has_chat_template:
         messages = [{"role": "system", "content": system}] if system else []
@@ -284,7 +287,12 @@ def generate(
     continues: Sequence[int] = (),
 ) -> Generation:
     """cached, cancelled, logits_processors, key: as for `speculative_generate_step` (a
-    cancelled generation ends with the text so far). logprobs, continues: as for TextStream."""
+    cancelled generation ends with the text so far). logprobs, continues: as for TextStream.
+    stop: stop strings (one string: that one)."""
+    stop = (stop,) if isinstance(stop, str) else stop
+    prompt_ids = checked_arguments(
+        session, prompt_ids, max_tokens, policy, sampling, stop, logprobs
+    )
     stats = Stats()
     steps = speculative_generate_step(
         prompt_ids,
@@ -313,6 +321,49 @@ def generate(
     )
     result.stats = stats
     return result
+
+
+def checked_arguments(
+    session, prompt_ids, max_tokens, policy, sampling, stop, logprobs
+) -> list[int]:
+    """What `generate` refuses before any work, naming the argument (the command line and the
+    server check their own options first, in their own words): the prompt's ids as a list."""
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise DrafterError(f"max_tokens = {max_tokens!r}: expected an integer at least 1")
+    vocab = session.target.vocab_size
+    ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else prompt_ids  # numpy, MLX
+    ids = list(ids) if isinstance(ids, Sequence) and not isinstance(ids, str) else None
+    if ids is None or not all(_is_int(t) for t in ids):
+        raise DrafterError(
+            "prompt_ids: expected a list of integer token ids (encode_prompt makes one from text)"
+        )
+    if not ids:
+        raise DrafterError("prompt_ids: empty; expected at least one token")
+    outside = next((t for t in ids if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise DrafterError(f"prompt_ids: token id {outside}: expected ids in [0, {vocab})")
+    context = session.target.context_length
+    if context is not None and len(ids) + max_tokens > context:
+        raise DrafterError(
+            f"max_tokens = {max_tokens}: {len(ids)} prompt tokens + {max_tokens} exceed the"
+            f" target's context of {context} tokens (at most {max(context - len(ids), 0)} here)"
+        )
+    if isinstance(policy, str) or not hasattr(policy, "draft_length"):
+        raise DrafterError(
+            f"policy = {policy!r}: expected a policy object; parse_policy(text, drafter) makes"
+            " one from text such as 'fixed:3'"
+        )
+    if not isinstance(sampling, Sampling):
+        raise DrafterError(f"sampling = {sampling!r}: expected a Sampling (Sampling() is greedy)")
+    if not all(isinstance(text, str) and text for text in stop):
+        raise DrafterError(f"stop = {stop!r}: expected non-empty strings")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab):
+        raise DrafterError(f"logprobs = {logprobs!r}: expected None or an integer in [0, {vocab}]")
+    return ids
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def timed_text(

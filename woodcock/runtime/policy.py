@@ -258,23 +258,38 @@ class AutoPolicy:
 
 
 def parse_policy(text: str, drafter, *, prior: list[float] | None = None, head: str | None = None):
+    if not isinstance(text, str):
+        raise DrafterError(
+            f"--policy {text!r}: expected text: fixed:K, confidence:FILE or auto:FILE"
+        )
     kind, _, value = text.partition(":")
+    block = drafter.num_drafts if drafter is not None else None
     if kind == "fixed":
-        if value.isdigit() and int(value) >= 1:
-            return FixedPolicy(int(value))
-        raise DrafterError(f"--policy {text!r}: expected fixed:K with K >= 1")
+        if not (value.isascii() and value.isdigit() and int(value) >= 1):
+            raise DrafterError(f"--policy {text!r}: expected fixed:K with K >= 1")
+        if block is not None and int(value) > block:
+            raise DrafterError(
+                f"--policy {text!r}: the drafter drafts blocks of {block}; expected K <= {block}"
+            )
+        return FixedPolicy(int(value))
     if kind in ("confidence", "auto"):
-        block = drafter.num_drafts
+        if drafter is None:
+            raise DrafterError(f"--policy {kind}: chooses draft lengths, and there is no drafter")
         if not value:
             raise DrafterError(
                 f"--policy {kind}: needs a latency file ({kind}:latency.json, made by `woodcock"
                 " latency`)"
             )
-        profile = LatencyProfile.load(value)
         if kind == "confidence":
             if block is None:
                 raise DrafterError("--policy confidence is for block drafters (DFlash, DSpark)")
-            return ConfidencePolicy(profile, block)
+            if not getattr(drafter.algorithm, "confidence_head", False):
+                raise DrafterError(
+                    "--policy confidence: the drafter has no confidence head (DSpark's); use"
+                    f" auto:{value} or fixed:K"
+                )
+            return ConfidencePolicy(LatencyProfile.load(value), block)
+        profile = LatencyProfile.load(value)
         longest = block or min(MAX_VERIFY, profile.max_verify) - 1
         return AutoPolicy(profile, max_length=max(1, longest), prior=prior or [], head=head)
     raise DrafterError(f"--policy {text!r}: expected fixed:K, confidence:FILE or auto:FILE")

@@ -29,12 +29,19 @@ class DrafterChoice:
     counts), `PATH@COUNTS:N` (by the counts in COUNTS, a vocab_counts.npz), or several sizes
     `PATH@COUNTS:N1,N2` where a command measures more than one; `ngram` for prompt lookup."""
 
-    source: str
+    source: str | Path
     counts: str | None = None
     head_sizes: tuple[int, ...] = ()
 
     @classmethod
-    def parse(cls, text: str) -> DrafterChoice:
+    def parse(cls, text: str | Path) -> DrafterChoice:
+        if isinstance(text, Path):  # a local directory, whatever its name holds
+            return cls(text)
+        if not isinstance(text, str):
+            raise DrafterError(
+                f"drafter = {text!r}: expected a directory, a Hugging Face id or 'ngram' as a"
+                " string or a Path"
+            )
         if "@" not in text:
             return cls(text)
         source, _, truncation = text.rpartition("@")
