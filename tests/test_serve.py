@@ -402,11 +402,12 @@ def test_the_slot_is_free_when_the_answer_arrives(server):
         assert json.loads(body)["busy"] is False, i
 
 
-def test_a_stopped_server_ends_waiting_and_running_requests_with_a_503(demo, tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_stopped_server_ends_waiting_and_running_requests_with_a_503(demo, tmp_path, max_batch):
     """SIGTERM with requests running and waiting: the waiting ones are answered 503 at once, the
     running ones finish or end with it before uvicorn would cut them off; streams end with an
     error event and their closing line; no traceback, and the process exits."""
-    stopping = Server(demo, tmp_path / "stopping.log", max_batch=2, queue_size=8)
+    stopping = Server(demo, tmp_path / "stopping.log", max_batch=max_batch, queue_size=8)
     results = [None] * 8
     answered_at = [None] * 8
 
