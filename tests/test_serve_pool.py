@@ -5,6 +5,8 @@ it does cold; the pool evicts the least recently used beyond its size; request t
 metrics that count all of these; and a pooled cache stays as it was while a request that took
 it over rolls back and writes."""
 
+import json
+import socket
 import threading
 import time
 
@@ -170,6 +172,21 @@ def test_a_request_past_its_timeout_is_cancelled(demo, session, tmp_path):  # no
         assert server.metric("request_errors") >= 2
         text, _, _ = complete(server, prompt, max_tokens=4)  # the model is free again
         assert text == woodcock_text(session, prompt, 4)
+        # a body that never arrives whole: 408 within the timeout, in each API's shape
+        for path, field in (("/v1/completions", "code"), ("/v1/messages", "type")):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+                sock.sendall(head.encode() + b'{"prompt":')
+                started = time.monotonic()
+                reply = sock.recv(65536).decode()
+                while "\r\n\r\n" not in reply or not reply.endswith("}"):
+                    more = sock.recv(65536).decode()
+                    assert more, reply
+                    reply += more
+            assert reply.startswith("HTTP/1.1 408") and time.monotonic() - started < 5, reply
+            error = json.loads(reply.split("\r\n\r\n", 1)[1])
+            assert error["error"][field] == ("timeout" if field == "code" else "timeout_error")
+            assert "did not arrive within --request-timeout 0.25 seconds" in reply
     finally:
         server.stop()
 

@@ -39,6 +39,7 @@ UNSUPPORTED = {
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    408: "timeout_error",
     500: "api_error",
     504: "timeout_error",
 }

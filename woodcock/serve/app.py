@@ -156,7 +156,7 @@ class _Handlers:
     async def count_tokens(self, request):
         loop = asyncio.get_running_loop()
         try:
-            body = parse_json_body(await request.body())
+            body = await self._body(request)
             count = await loop.run_in_executor(
                 self.encoder, anthropic.count_input_tokens, body, self.facts
             )
@@ -241,7 +241,7 @@ class _Handlers:
     async def _generation(self, request, api: _Api):
         loop = asyncio.get_running_loop()
         try:
-            body = parse_json_body(await request.body())
+            body = await self._body(request)
             parsed = await loop.run_in_executor(self.encoder, api.parse, body, self.facts)
         except ClientDisconnect:  # gone before its body was whole: nobody to answer
             return Response(status_code=204)
@@ -260,6 +260,21 @@ class _Handlers:
                 self._stream(job, answer), media_type="text/event-stream", headers=headers
             )
         return await self._complete(request, job, answer, api)
+
+    async def _body(self, request) -> dict:
+        """The request's JSON body, read within --request-timeout: a client that never finishes
+        sending it would hold its connection and task for as long as it likes."""
+        try:
+            raw = await asyncio.wait_for(request.body(), self.request_timeout)
+        except TimeoutError:
+            raise RequestError(
+                f"the request body did not arrive within --request-timeout"
+                f" {self.request_timeout:g} seconds",
+                code="timeout",
+                status=408,
+                kind="timeout_error",
+            ) from None
+        return parse_json_body(raw)
 
     def _queue_full(self) -> RequestError:
         waiting = self.worker.queue_size
