@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from woodcock.default_target import resolve_pair
-from woodcock.errors import DrafterError
 from woodcock.runtime.backend import describe as describe_backend
 from woodcock.runtime.backend import report as backend_report
-from woodcock.runtime.generate import Generation, encode_prompt, generate
+from woodcock.runtime.generate import Generation, check_context_room, encode_prompt, generate
 from woodcock.runtime.latency import policy_with_profile
 from woodcock.runtime.machine import machine_facts, warn_slow_paths
 from woodcock.runtime.policy import parse_policy
@@ -116,12 +115,7 @@ def generate_report(
         policy, session.drafter, prior=session.holdout_agreement, head=session.head_label
     )
     ids = encode_prompt(session.tokenizer, prompt, chat=chat, system=system)
-    context = session.target.context_length
-    if context is not None and len(ids) + max_tokens > context:
-        raise DrafterError(
-            f"--max-tokens {max_tokens}: {len(ids)} prompt tokens + {max_tokens} exceed the"
-            f" target's context of {context} tokens (at most {max(context - len(ids), 0)} here)"
-        )
+    check_context_room(session, len(ids), max_tokens, f"--max-tokens {max_tokens}")
     result = generate(
         session,
         ids,

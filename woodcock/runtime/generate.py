@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from woodcock.errors import DrafterError
+from woodcock.jsonfile import outside_range
 from woodcock.runtime.decode import Stats, speculative_generate_step
 from woodcock.runtime.sampling import LogitsProcessor, Sampling
 
@@ -339,15 +340,10 @@ def checked_arguments(
         )
     if not ids:
         raise DrafterError("prompt_ids: empty; expected at least one token")
-    outside = next((t for t in ids if not 0 <= t < vocab), None)
+    outside = outside_range(ids, vocab)
     if outside is not None:
         raise DrafterError(f"prompt_ids: token id {outside}: expected ids in [0, {vocab})")
-    context = session.target.context_length
-    if context is not None and len(ids) + max_tokens > context:
-        raise DrafterError(
-            f"max_tokens = {max_tokens}: {len(ids)} prompt tokens + {max_tokens} exceed the"
-            f" target's context of {context} tokens (at most {max(context - len(ids), 0)} here)"
-        )
+    check_context_room(session, len(ids), max_tokens, f"max_tokens = {max_tokens}")
     if isinstance(policy, str) or not hasattr(policy, "draft_length"):
         raise DrafterError(
             f"policy = {policy!r}: expected a policy object; parse_policy(text, drafter) makes"
@@ -360,6 +356,17 @@ def checked_arguments(
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab):
         raise DrafterError(f"logprobs = {logprobs!r}: expected None or an integer in [0, {vocab}]")
     return ids
+
+
+def check_context_room(session, prompt_tokens: int, max_tokens: int, named: str) -> None:
+    """Refuse a prompt and a length that the target's context cannot hold; `named`: how the
+    caller's option reads (`--max-tokens 9`, `max_tokens = 9`)."""
+    context = session.target.context_length
+    if context is not None and prompt_tokens + max_tokens > context:
+        raise DrafterError(
+            f"{named}: {prompt_tokens} prompt tokens + {max_tokens} exceed the target's context"
+            f" of {context} tokens (at most {max(context - prompt_tokens, 0)} here)"
+        )
 
 
 def _is_int(value) -> bool:
